@@ -1,0 +1,87 @@
+//! The body type the layer hands to the inner service and returns.
+//!
+//! Guarded requests are buffered (to fingerprint them) and answered from a
+//! buffer (to record them); everything else streams through untouched. One
+//! type covers both so the inner service sees a single body type.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+pin_project! {
+    /// Either a complete buffer or the original streaming body `B`.
+    pub struct IdempotencyBody<B> {
+        #[pin]
+        inner: Inner<B>,
+    }
+}
+
+pin_project! {
+    #[project = InnerProj]
+    enum Inner<B> {
+        Buffered { data: Option<Bytes> },
+        Streaming { #[pin] body: B },
+    }
+}
+
+impl<B> IdempotencyBody<B> {
+    pub(crate) fn buffered(data: Bytes) -> Self {
+        let data = (!data.is_empty()).then_some(data);
+        Self {
+            inner: Inner::Buffered { data },
+        }
+    }
+
+    pub(crate) fn streaming(body: B) -> Self {
+        Self {
+            inner: Inner::Streaming { body },
+        }
+    }
+}
+
+impl<B> std::fmt::Debug for IdempotencyBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.inner {
+            Inner::Buffered { data } => f
+                .debug_struct("IdempotencyBody::Buffered")
+                .field("len", &data.as_ref().map_or(0, Bytes::len))
+                .finish(),
+            Inner::Streaming { .. } => f.write_str("IdempotencyBody::Streaming"),
+        }
+    }
+}
+
+impl<B> Body for IdempotencyBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        match self.project().inner.project() {
+            InnerProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            InnerProj::Streaming { body } => body.poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.inner {
+            Inner::Buffered { data } => data.is_none(),
+            Inner::Streaming { body } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            Inner::Buffered { data } => SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64)),
+            Inner::Streaming { body } => body.size_hint(),
+        }
+    }
+}

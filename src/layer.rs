@@ -1,0 +1,283 @@
+//! [`IdempotencyLayer`]: configuration and the tower `Layer`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::request::Parts;
+use http::{HeaderName, Method, StatusCode, header};
+use sqlx::Pool;
+use tower_layer::Layer;
+
+use crate::expiry::DEFAULT_RETENTION;
+use crate::fingerprint::Normalizer;
+use crate::key::KeyMode;
+use crate::scope::{Principal, PrincipalFn, principal_from_extensions};
+use crate::service::Idempotency;
+use crate::store::Backend;
+
+/// Adds the idempotency guarantee to a service: for guarded methods (POST and
+/// PATCH by default) a request with an `Idempotency-Key` takes effect at most
+/// once, and every retry gets the answer of the first attempt that finished.
+///
+/// Every setting has a default that is safe for payments; each `with_*`
+/// method names its default. See the [crate docs](crate) for the protocol.
+pub struct IdempotencyLayer<DB: Backend> {
+    pool: Pool<DB>,
+    config: Config,
+}
+
+impl<DB: Backend> Clone for IdempotencyLayer<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<DB: Backend> std::fmt::Debug for IdempotencyLayer<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) key_required: bool,
+    pub(crate) key_mode: KeyMode,
+    pub(crate) principal: PrincipalFn,
+    pub(crate) operation: Option<Arc<str>>,
+    pub(crate) normalizer: Normalizer,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) retention: Duration,
+    pub(crate) in_flight_wait: Duration,
+    pub(crate) claim_attempts: u32,
+    pub(crate) claim_deadline: Duration,
+    pub(crate) mismatch_status: StatusCode,
+    pub(crate) replayed_header: bool,
+    pub(crate) recorded_headers: Vec<HeaderName>,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("methods", &self.methods)
+            .field("key_required", &self.key_required)
+            .field("key_mode", &self.key_mode)
+            .field("operation", &self.operation)
+            .field("normalizer", &self.normalizer)
+            .field("max_request_body", &self.max_request_body)
+            .field("max_response_body", &self.max_response_body)
+            .field("retention", &self.retention)
+            .field("in_flight_wait", &self.in_flight_wait)
+            .field("claim_attempts", &self.claim_attempts)
+            .field("claim_deadline", &self.claim_deadline)
+            .field("mismatch_status", &self.mismatch_status)
+            .field("replayed_header", &self.replayed_header)
+            .field("recorded_headers", &self.recorded_headers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Config {
+    pub(crate) fn guards(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+}
+
+/// A configuration value that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The status for a key reused with a different request must be `409` or `422`.
+    MismatchStatus(StatusCode),
+    /// A limit, wait or count was zero.
+    Zero(&'static str),
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::MismatchStatus(s) => write!(f, "mismatch status must be 409 or 422, not {s}"),
+            Self::Zero(what) => write!(f, "{what} must be greater than zero"),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl<DB: Backend> IdempotencyLayer<DB> {
+    /// A layer that keeps its ledger in `pool`'s database. Create the ledger
+    /// table first with [`migrate`](crate::migrate).
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self {
+            pool,
+            config: Config {
+                methods: vec![Method::POST, Method::PATCH],
+                key_required: true,
+                key_mode: KeyMode::Lenient,
+                principal: principal_from_extensions(),
+                operation: None,
+                normalizer: Normalizer::default(),
+                max_request_body: 1024 * 1024,
+                max_response_body: 1024 * 1024,
+                retention: DEFAULT_RETENTION,
+                in_flight_wait: Duration::from_secs(2),
+                claim_attempts: 3,
+                claim_deadline: Duration::from_secs(10),
+                mismatch_status: StatusCode::UNPROCESSABLE_ENTITY,
+                replayed_header: true,
+                recorded_headers: vec![header::CONTENT_TYPE, header::LOCATION],
+            },
+        }
+    }
+
+    /// The methods the layer guards; others pass through untouched. The
+    /// default is `POST` and `PATCH`.
+    #[must_use]
+    pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Whether a guarded request without `Idempotency-Key` is refused with
+    /// `400` (`true`) or passed through unprotected (`false`). The default is
+    /// `true`. A request without a key is never deduplicated by its body:
+    /// two identical orders are two orders.
+    #[must_use]
+    pub fn with_key_required(mut self, required: bool) -> Self {
+        self.config.key_required = required;
+        self
+    }
+
+    /// Which key syntaxes are accepted. The default is [`KeyMode::Lenient`]
+    /// (Structured Field String or bare value).
+    #[must_use]
+    pub fn with_key_mode(mut self, mode: KeyMode) -> Self {
+        self.config.key_mode = mode;
+        self
+    }
+
+    /// Where the principal comes from: a function of the request head that
+    /// returns `None` for an unauthenticated request (answered `401`). The
+    /// default reads a [`Principal`] from the request extensions.
+    #[must_use]
+    pub fn with_principal<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<Principal> + Send + Sync + 'static,
+    {
+        self.config.principal = Arc::new(f);
+        self
+    }
+
+    /// Puts every request in one shared principal scope. Only for services
+    /// without authentication: any client that guesses a key can then read
+    /// the stored answer. The default is per-principal scopes.
+    #[must_use]
+    pub fn unscoped(self) -> Self {
+        self.with_principal(|_| Some(Principal::new("")))
+    }
+
+    /// Names the operation explicitly, so renaming a route never changes the
+    /// scope. The default is the method and route template, such as
+    /// `POST /orders`.
+    #[must_use]
+    pub fn with_operation(mut self, name: impl Into<String>) -> Self {
+        self.config.operation = Some(Arc::from(name.into()));
+        self
+    }
+
+    /// How bodies are normalized before hashing. The default is
+    /// [`Normalizer::canonical_json`].
+    #[must_use]
+    pub fn with_normalizer(mut self, normalizer: Normalizer) -> Self {
+        self.config.normalizer = normalizer;
+        self
+    }
+
+    /// The largest request body buffered, in bytes; larger requests get `413`
+    /// without the rest being read. The default is 1 MiB.
+    pub fn with_max_request_body(mut self, bytes: usize) -> Result<Self, ConfigError> {
+        self.config.max_request_body = nonzero(bytes, "max_request_body")?;
+        Ok(self)
+    }
+
+    /// The largest response body recorded, in bytes; a larger answer is
+    /// rolled back and replaced by `500`. The default is 1 MiB.
+    pub fn with_max_response_body(mut self, bytes: usize) -> Result<Self, ConfigError> {
+        self.config.max_response_body = nonzero(bytes, "max_response_body")?;
+        Ok(self)
+    }
+
+    /// How long a key is honoured after its first use: retries within it
+    /// replay, later ones get `410`. Part of your API contract: publish it.
+    /// The default is 24 hours.
+    #[must_use]
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.config.retention = retention;
+        self
+    }
+
+    /// How long one claim attempt waits for a first request that still holds
+    /// the key, before answering `409` with `Retry-After` (the wait holds a
+    /// pooled connection, so keep it short). On SQLite the connection's
+    /// `busy_timeout` bounds the wait instead. The default is 2 seconds.
+    pub fn with_in_flight_wait(mut self, wait: Duration) -> Result<Self, ConfigError> {
+        self.config.in_flight_wait = nonzero(wait, "in_flight_wait")?;
+        Ok(self)
+    }
+
+    /// The bounds on claiming a contested key: at most `attempts` tries, with
+    /// jittered backoff between them, all within `deadline`. The default is
+    /// 3 attempts within 10 seconds.
+    pub fn with_claim_retries(mut self, attempts: u32, deadline: Duration) -> Result<Self, ConfigError> {
+        self.config.claim_attempts = nonzero(attempts, "claim attempts")?;
+        self.config.claim_deadline = nonzero(deadline, "claim deadline")?;
+        Ok(self)
+    }
+
+    /// The status for a key reused with a different request: `422` (the IETF
+    /// draft) or `409`. The default is `422`.
+    pub fn with_mismatch_status(mut self, status: StatusCode) -> Result<Self, ConfigError> {
+        if status != StatusCode::CONFLICT && status != StatusCode::UNPROCESSABLE_ENTITY {
+            return Err(ConfigError::MismatchStatus(status));
+        }
+        self.config.mismatch_status = status;
+        Ok(self)
+    }
+
+    /// Whether replays carry `Idempotent-Replayed: true`. The default is `true`.
+    #[must_use]
+    pub fn with_replayed_header(mut self, enabled: bool) -> Self {
+        self.config.replayed_header = enabled;
+        self
+    }
+
+    /// The response headers recorded and replayed besides status and body.
+    /// The default is `content-type` and `location`.
+    #[must_use]
+    pub fn with_recorded_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config.recorded_headers = headers.into_iter().collect();
+        self
+    }
+}
+
+fn nonzero<T: Default + PartialEq>(value: T, what: &'static str) -> Result<T, ConfigError> {
+    if value == T::default() {
+        Err(ConfigError::Zero(what))
+    } else {
+        Ok(value)
+    }
+}
+
+impl<S, DB: Backend> Layer<S> for IdempotencyLayer<DB> {
+    type Service = Idempotency<S, DB>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Idempotency::new(inner, self.pool.clone(), Arc::new(self.config.clone()))
+    }
+}

@@ -1,0 +1,167 @@
+//! Make non-idempotent HTTP operations (create an order, take a payment, move
+//! money) safe to retry.
+//!
+//! A client sends `POST /orders`, the response is lost, and it cannot tell
+//! "never arrived" from "committed, answer lost". It retries with the same
+//! `Idempotency-Key`. [`IdempotencyLayer`] promises that the effect happens
+//! **at most once** and that every retry gets **the same answer** as the
+//! first attempt that finished.
+//!
+//! # Example
+//!
+//! ```
+//! use http::{Request, Response, StatusCode};
+//! use sqlx::{Sqlite, sqlite::SqlitePoolOptions};
+//! use tower::{ServiceBuilder, ServiceExt};
+//! use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Principal, Tx};
+//!
+//! type BoxError = Box<dyn std::error::Error + Send + Sync>;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), BoxError> {
+//! let pool = SqlitePoolOptions::new().max_connections(1).connect("sqlite::memory:").await?;
+//! tower_idempotency::migrate(&pool).await?;
+//! sqlx::raw_sql("CREATE TABLE orders (id INTEGER PRIMARY KEY, amount INTEGER)")
+//!     .execute(&pool)
+//!     .await?;
+//!
+//! // The handler writes on the transaction that holds the idempotency claim.
+//! let create_order = |req: Request<IdempotencyBody<String>>| async move {
+//!     let tx = req.extensions().get::<Tx<Sqlite>>().cloned().ok_or("no layer")?;
+//!     let mut conn = tx.lock()?;
+//!     let id: i64 = sqlx::query_scalar("INSERT INTO orders (amount) VALUES (12000) RETURNING id")
+//!         .fetch_one(&mut *conn)
+//!         .await?;
+//!     Ok::<_, BoxError>(Response::builder().status(201).body(format!("{{\"orderId\":{id}}}"))?)
+//! };
+//! let service = ServiceBuilder::new()
+//!     .layer(IdempotencyLayer::new(pool.clone()))
+//!     .service_fn(create_order);
+//!
+//! let request = || {
+//!     let mut req = Request::post("/orders")
+//!         .header("idempotency-key", "\"checkout-20260914-001\"")
+//!         .header("content-type", "application/json")
+//!         .body(r#"{"amount":12000}"#.to_string())
+//!         .unwrap();
+//!     // Normally your authentication layer inserts the principal.
+//!     req.extensions_mut().insert(Principal::new("user-42"));
+//!     req
+//! };
+//! let first = service.clone().oneshot(request()).await?;
+//! let retry = service.clone().oneshot(request()).await?;
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//!
+//! let orders: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM orders").fetch_one(&pool).await?;
+//! assert_eq!(orders, 1);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! With axum (feature `axum`), add `.layer(IdempotencyLayer::new(pool))` to a
+//! router and take the transaction with the [`Tx`] extractor.
+//!
+//! # The protocol
+//!
+//! For a guarded method (POST and PATCH by default) the layer:
+//!
+//! 1. parses the `Idempotency-Key` ([`KeyMode`]), finds the principal and the
+//!    operation (the *scope*, see [`Principal`]), buffers the body up to a
+//!    limit and fingerprints it ([`Normalizer`]);
+//! 2. reads the ledger once: a finished request with this scope is answered
+//!    from there (replay, `422` for a different payload, `410` once expired);
+//! 3. otherwise begins a transaction and claims the scope with a
+//!    unique-constraint insert; the database decides who wins, never a read
+//!    followed by an `if`;
+//! 4. hands the transaction to the handler ([`Tx`]), takes a savepoint first;
+//! 5. classifies the answer ([`Classification`]) and records it on the same
+//!    transaction, so the business rows and the ledger row commit together.
+//!
+//! | situation | answer | kept in the store |
+//! |---|---|---|
+//! | guarded method, no key (key required) | `400` problem | nothing |
+//! | malformed key | `400` problem | nothing |
+//! | no principal | `401` problem | nothing |
+//! | body over the limit | `413` problem, the rest unread | nothing |
+//! | body labelled JSON that does not parse | `400` problem | nothing |
+//! | first request for the scope | handler runs on the claimed transaction | |
+//! | … handler answers 1xx–3xx | the answer, recorded as `SUCCEEDED` | business rows + ledger row, one commit |
+//! | … handler rejects the request (400, 401, 403, 404, 405, 406, 408, 413, 415, 422, 429) | the answer, unrecorded; the key stays usable | nothing |
+//! | … handler answers another 4xx (a final business error) | the answer, recorded as `FAILED_FINAL` | only the ledger row: business writes rolled back to the savepoint |
+//! | … handler answers 5xx, fails, panics, or its future is dropped | the answer (or the error, or the panic) | nothing: a retry runs afresh |
+//! | same scope, same fingerprint, finished | stored status, headers and body, byte for byte, `Idempotent-Replayed: true` | nothing new |
+//! | same scope, different fingerprint | `422` problem (or `409`) | nothing new |
+//! | same scope, first still running | waits up to the in-flight wait, then replays; else `409` + `Retry-After` | nothing new |
+//! | key taken but its record unreadable | retries within attempts and deadline, then `409` + `Retry-After` | nothing new |
+//! | key past its retention, or a tombstone | `410` problem naming the resource | nothing new, never a new execution |
+//! | connection lost during `COMMIT` | the answer if the ledger shows the commit, else `503` + `Retry-After` | what committed |
+//!
+//! Every refusal is an RFC 9457 problem document; see [`problem`] for the
+//! `type` URIs. The layer never returns an error of its own: store failures
+//! become `503` with `Retry-After`, and [`IdempotencyOutcome`] in the response
+//! extensions tells outer layers what happened.
+//!
+//! # Concurrency
+//!
+//! Two requests with one scope at the same moment: both may find no record;
+//! both try to insert; the database's unique constraint lets exactly one
+//! proceed. On PostgreSQL and MySQL the loser's insert waits on the winner's
+//! uncommitted row (bounded by the in-flight wait), then sees the winner's
+//! committed row and replays it; if the winner rolls back, the loser claims
+//! the key and runs. On SQLite writers are serialized by the database lock.
+//! A request that cannot settle within its bounds gets `409` with
+//! `Retry-After` and has changed nothing.
+//!
+//! # Cancellation and panics
+//!
+//! Nothing is committed until the handler has answered and the answer is
+//! recorded. A dropped response future drops the transaction, which rolls
+//! back; a panicking handler is rolled back (and awaited) before the panic
+//! continues. Either way no ledger row remains and a retry runs afresh.
+//!
+//! # Retention
+//!
+//! See [`DEFAULT_RETENTION`] and [`IdempotencyLayer::with_retention`]: a key
+//! replays for its retention (24 hours by default) and is refused with `410`
+//! afterwards, never executed again.
+//!
+//! # What is not covered
+//!
+//! The guarantee covers what the handler writes through [`Tx`]. A call to
+//! another system (a payment provider, a message broker) is not rolled back
+//! with the transaction: pass the idempotency key on to that system and treat
+//! an unconfirmed outcome as something to reconcile, not to repeat.
+
+#![deny(unreachable_pub, unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations)]
+
+mod body;
+mod classify;
+mod expiry;
+mod fingerprint;
+mod key;
+mod layer;
+pub mod problem;
+mod replay;
+mod scope;
+mod service;
+pub mod store;
+mod tx;
+
+pub use body::IdempotencyBody;
+pub use classify::{Classification, ResourceId};
+pub use expiry::DEFAULT_RETENTION;
+pub use fingerprint::{Fingerprint, FingerprintError, Normalizer};
+pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyMode, MAX_KEY_LEN};
+pub use layer::{ConfigError, IdempotencyLayer};
+pub use problem::ProblemKind;
+pub use replay::IDEMPOTENT_REPLAYED;
+pub use scope::Principal;
+pub use service::{Idempotency, IdempotencyOutcome, ResponseFuture};
+pub use store::{Backend, migrate};
+pub use tx::{Tx, TxError, TxGuard};
+
+/// The `sqlx` this crate is built on; its types appear in the public API.
+pub use sqlx;

@@ -1,0 +1,188 @@
+//! RFC 9457 `application/problem+json` refusals.
+//!
+//! Every answer the layer gives on its own (rather than the handler's) is a
+//! problem document with a stable `type` URI, so a client can tell a key-reuse
+//! `422` from a business validation `422`. The same [`ProblemKind`] travels in
+//! the response extensions as [`IdempotencyOutcome::Refused`](crate::IdempotencyOutcome::Refused)
+//! for outer layers.
+//!
+//! | kind | status | `type` ends in | meaning |
+//! |---|---|---|---|
+//! | [`MissingKey`](ProblemKind::MissingKey) | 400 | `#missing-key` | guarded method without `Idempotency-Key` |
+//! | [`MalformedKey`](ProblemKind::MalformedKey) | 400 | `#malformed-key` | key empty, too long, bad characters or quoting |
+//! | [`MissingPrincipal`](ProblemKind::MissingPrincipal) | 401 | `#missing-principal` | no authenticated principal for the scope |
+//! | [`BodyTooLarge`](ProblemKind::BodyTooLarge) | 413 | `#body-too-large` | request body over the limit |
+//! | [`InvalidBody`](ProblemKind::InvalidBody) | 400 | `#invalid-body` | body could not be read or fingerprinted |
+//! | [`KeyReused`](ProblemKind::KeyReused) | 422 (or 409) | `#key-reused` | same key, different request |
+//! | [`InFlight`](ProblemKind::InFlight) | 409 + `Retry-After` | `#in-flight` | the first request with this key is still running |
+//! | [`Unconfirmed`](ProblemKind::Unconfirmed) | 409 + `Retry-After` | `#unconfirmed` | the key is taken but its record could not be read |
+//! | [`Expired`](ProblemKind::Expired) | 410 | `#expired` | the key's retention is over; it is never executed again |
+//! | [`CommitUnknown`](ProblemKind::CommitUnknown) | 503 + `Retry-After` | `#commit-unknown` | the commit's outcome could not be confirmed and nothing is recorded |
+//! | [`StoreUnavailable`](ProblemKind::StoreUnavailable) | 503 + `Retry-After` | `#store-unavailable` | the ledger could not be reached; nothing was executed |
+//! | [`ResponseTooLarge`](ProblemKind::ResponseTooLarge) | 500 | `#response-too-large` | the handler's answer was over the recording limit; rolled back |
+//! | [`ResponseUnreadable`](ProblemKind::ResponseUnreadable) | 500 | `#response-unreadable` | the handler's body failed while being recorded; rolled back |
+//! | [`TransactionHeld`](ProblemKind::TransactionHeld) | 500 | `#transaction-held` | the handler kept the transaction handle past its response; rolled back |
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+use serde_json::json;
+
+/// Where the problem types are documented; each `type` is this plus a fragment.
+pub const PROBLEM_TYPE_BASE: &str =
+    "https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/index.html";
+
+/// The cases the layer answers itself. See the [module docs](self) for the
+/// status and `type` of each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ProblemKind {
+    /// A guarded method without an `Idempotency-Key` header, and the key is required.
+    MissingKey,
+    /// The `Idempotency-Key` header is not a valid key.
+    MalformedKey,
+    /// The principal extractor found no principal.
+    MissingPrincipal,
+    /// The request body is larger than the configured limit.
+    BodyTooLarge,
+    /// The request body could not be read or fingerprinted (for example JSON
+    /// that does not parse).
+    InvalidBody,
+    /// The key was used before with a different request.
+    KeyReused,
+    /// The first request with this key is still running.
+    InFlight,
+    /// The claim conflicted but the existing record could not be read within
+    /// the retry limits.
+    Unconfirmed,
+    /// The key's retention has ended.
+    Expired,
+    /// The connection was lost while committing; the ledger shows no commit.
+    CommitUnknown,
+    /// The ledger store could not be reached before anything was executed.
+    StoreUnavailable,
+    /// The handler's response body was over the recording limit.
+    ResponseTooLarge,
+    /// The handler's response body failed while being read for recording.
+    ResponseUnreadable,
+    /// The handler still held the transaction when its response was ready.
+    TransactionHeld,
+}
+
+impl ProblemKind {
+    /// The stable fragment of the `type` URI, such as `"key-reused"`.
+    pub fn slug(self) -> &'static str {
+        match self {
+            Self::MissingKey => "missing-key",
+            Self::MalformedKey => "malformed-key",
+            Self::MissingPrincipal => "missing-principal",
+            Self::BodyTooLarge => "body-too-large",
+            Self::InvalidBody => "invalid-body",
+            Self::KeyReused => "key-reused",
+            Self::InFlight => "in-flight",
+            Self::Unconfirmed => "unconfirmed",
+            Self::Expired => "expired",
+            Self::CommitUnknown => "commit-unknown",
+            Self::StoreUnavailable => "store-unavailable",
+            Self::ResponseTooLarge => "response-too-large",
+            Self::ResponseUnreadable => "response-unreadable",
+            Self::TransactionHeld => "transaction-held",
+        }
+    }
+
+    /// The full `type` URI of the problem document.
+    pub fn type_uri(self) -> String {
+        format!("{PROBLEM_TYPE_BASE}#{}", self.slug())
+    }
+
+    fn title(self) -> &'static str {
+        match self {
+            Self::MissingKey => "Idempotency-Key header required",
+            Self::MalformedKey => "Malformed Idempotency-Key",
+            Self::MissingPrincipal => "Authentication required",
+            Self::BodyTooLarge => "Request body too large",
+            Self::InvalidBody => "Invalid request body",
+            Self::KeyReused => "Idempotency-Key reused with a different request",
+            Self::InFlight => "A request with this Idempotency-Key is in progress",
+            Self::Unconfirmed => "Request status unconfirmed",
+            Self::Expired => "Idempotency-Key expired",
+            Self::CommitUnknown => "Outcome not confirmed",
+            Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::ResponseTooLarge => "Response too large to record",
+            Self::ResponseUnreadable => "Response could not be recorded",
+            Self::TransactionHeld => "Transaction handle held past the response",
+        }
+    }
+
+    fn default_status(self) -> StatusCode {
+        match self {
+            Self::MissingKey | Self::MalformedKey | Self::InvalidBody => StatusCode::BAD_REQUEST,
+            Self::MissingPrincipal => StatusCode::UNAUTHORIZED,
+            Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::InFlight | Self::Unconfirmed => StatusCode::CONFLICT,
+            Self::Expired => StatusCode::GONE,
+            Self::CommitUnknown | Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::ResponseTooLarge | Self::ResponseUnreadable | Self::TransactionHeld => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+}
+
+/// One refusal, ready to become a response.
+#[derive(Debug, Clone)]
+pub(crate) struct Problem {
+    pub(crate) kind: ProblemKind,
+    pub(crate) status: StatusCode,
+    pub(crate) detail: String,
+    pub(crate) retry_after_secs: Option<u64>,
+    pub(crate) resource_id: Option<String>,
+}
+
+impl Problem {
+    pub(crate) fn new(kind: ProblemKind, detail: impl Into<String>) -> Self {
+        Self {
+            kind,
+            status: kind.default_status(),
+            detail: detail.into(),
+            retry_after_secs: None,
+            resource_id: None,
+        }
+    }
+
+    pub(crate) fn status(mut self, status: StatusCode) -> Self {
+        self.status = status;
+        self
+    }
+
+    pub(crate) fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after_secs = Some(secs.max(1));
+        self
+    }
+
+    pub(crate) fn resource(mut self, id: Option<String>) -> Self {
+        self.resource_id = id;
+        self
+    }
+
+    pub(crate) fn into_response(self) -> Response<Bytes> {
+        let mut doc = json!({
+            "type": self.kind.type_uri(),
+            "title": self.kind.title(),
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        if let Some(id) = &self.resource_id {
+            doc["resource_id"] = json!(id);
+        }
+        let body = Bytes::from(doc.to_string());
+        let mut res = Response::new(body);
+        *res.status_mut() = self.status;
+        res.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(secs) = self.retry_after_secs {
+            res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        res
+    }
+}

@@ -1,0 +1,72 @@
+//! MySQL and MariaDB (InnoDB).
+
+use std::time::Duration;
+
+use sqlx::mysql::{MySql, MySqlDatabaseError};
+use sqlx::{AssertSqlSafe, Pool, Transaction};
+
+use super::{Backend, StoreErrorKind, generic_error_kind, shared_statements};
+
+impl Backend for MySql {
+    async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(include_str!("../../migrations/mysql/0001_idempotency_records.sql"))
+            .execute(pool)
+            .await
+            .map(drop)
+    }
+
+    async fn begin_claim(
+        pool: &Pool<Self>,
+        lock_wait: Duration,
+    ) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        // InnoDB counts lock waits in whole seconds (at least 1). The setting
+        // is per session, so it stays on the pooled connection; READ COMMITTED
+        // lets the read after a lost claim see the winner's row.
+        let secs = lock_wait.as_secs_f64().ceil().clamp(1.0, 3600.0) as u64;
+        pool.begin_with(AssertSqlSafe(format!(
+            "SET SESSION innodb_lock_wait_timeout = {secs}; \
+             SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
+        )))
+        .await
+    }
+
+    async fn savepoint(conn: &mut Self::Connection) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql("SAVEPOINT tower_idempotency_claimed")
+            .execute(&mut *conn)
+            .await
+            .map(drop)
+    }
+
+    shared_statements!(
+        MySql,
+        // A duplicate key leaves the row as it is and reports 0 affected rows;
+        // any other error is still an error (unlike INSERT IGNORE).
+        insert = "INSERT INTO idempotency_records \
+                  (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
+                  VALUES (?, ?, ?, ?, 'PROCESSING', ?, ?) \
+                  ON DUPLICATE KEY UPDATE idem_key = idem_key",
+        complete = "UPDATE idempotency_records SET status = ?, response_status = ?, \
+                    response_headers = ?, response_body = ?, resource_id = ? \
+                    WHERE principal_id = ? AND operation = ? AND idem_key = ?",
+        fetch = "SELECT status, request_fingerprint, response_status, response_headers, \
+                 response_body, resource_id, expires_at FROM idempotency_records \
+                 WHERE principal_id = ? AND operation = ? AND idem_key = ?",
+    );
+
+    fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
+        if let Some(kind) = generic_error_kind(err) {
+            return kind;
+        }
+        let number = err
+            .as_database_error()
+            .and_then(|e| e.try_downcast_ref::<MySqlDatabaseError>())
+            .map(MySqlDatabaseError::number);
+        match number {
+            // ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK
+            Some(1205 | 1213) => StoreErrorKind::LockTimeout,
+            // server gone / lost / killed
+            Some(2006 | 2013 | 1927 | 1053) => StoreErrorKind::ConnectionLost,
+            _ => StoreErrorKind::Other,
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! SQLite: the embedded default.
+
+use std::time::Duration;
+
+use sqlx::sqlite::Sqlite;
+use sqlx::{Pool, Transaction};
+
+use super::{Backend, StoreErrorKind, generic_error_kind, shared_statements};
+
+impl Backend for Sqlite {
+    async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(include_str!("../../migrations/sqlite/0001_idempotency_records.sql"))
+            .execute(pool)
+            .await
+            .map(drop)
+    }
+
+    async fn begin_claim(
+        pool: &Pool<Self>,
+        _lock_wait: Duration,
+    ) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        // Take the write lock up front: SQLite has one writer, and a deferred
+        // transaction that read first could not upgrade after waiting. The
+        // wait is bounded by the connection's busy_timeout.
+        pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn savepoint(conn: &mut Self::Connection) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql("SAVEPOINT tower_idempotency_claimed")
+            .execute(&mut *conn)
+            .await
+            .map(drop)
+    }
+
+    shared_statements!(
+        Sqlite,
+        insert = "INSERT INTO idempotency_records \
+                  (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
+                  VALUES (?, ?, ?, ?, 'PROCESSING', ?, ?) \
+                  ON CONFLICT (principal_id, operation, idem_key) DO NOTHING",
+        complete = "UPDATE idempotency_records SET status = ?, response_status = ?, \
+                    response_headers = ?, response_body = ?, resource_id = ? \
+                    WHERE principal_id = ? AND operation = ? AND idem_key = ?",
+        fetch = "SELECT status, request_fingerprint, response_status, response_headers, \
+                 response_body, resource_id, expires_at FROM idempotency_records \
+                 WHERE principal_id = ? AND operation = ? AND idem_key = ?",
+    );
+
+    fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
+        if let Some(kind) = generic_error_kind(err) {
+            return kind;
+        }
+        let code = err.as_database_error().and_then(|e| e.code());
+        // SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes.
+        match code.as_deref().and_then(|c| c.parse::<i32>().ok()) {
+            Some(c) if matches!(c & 0xff, 5 | 6) => StoreErrorKind::LockTimeout,
+            _ => StoreErrorKind::Other,
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! The claimed transaction, handed to the handler.
+//!
+//! The layer begins a transaction, claims the idempotency key in it, and puts
+//! a [`Tx`] handle in the request extensions. The handler does its business
+//! writes on that same transaction, so the writes and the ledger row commit
+//! together or not at all. The layer commits or rolls back after the handler
+//! returns; the handler never does.
+//!
+//! # Caveats
+//!
+//! - Lock the handle, do the work, and drop the guard before returning. A
+//!   guard (or the handle) still held when the response is ready means the
+//!   layer cannot finish the transaction: it answers `500` and nothing is
+//!   committed. Locking is never a wait: a handle that is already locked, or
+//!   whose transaction the layer has already taken back, is an error.
+//! - Do not spawn tasks that outlive the handler with the handle.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use sqlx::{Database, Transaction};
+use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
+
+type Slot<DB> = Arc<Mutex<Option<Transaction<'static, DB>>>>;
+
+/// A handle to the transaction that holds this request's idempotency claim.
+/// Cheap to clone.
+pub struct Tx<DB: Database> {
+    slot: Slot<DB>,
+}
+
+impl<DB: Database> Clone for Tx<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            slot: Arc::clone(&self.slot),
+        }
+    }
+}
+
+impl<DB: Database> std::fmt::Debug for Tx<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tx").finish_non_exhaustive()
+    }
+}
+
+impl<DB: Database> Tx<DB> {
+    pub(crate) fn new(tx: Transaction<'static, DB>) -> Self {
+        Self {
+            slot: Arc::new(Mutex::new(Some(tx))),
+        }
+    }
+
+    /// Locks the transaction for use. The guard dereferences to the
+    /// connection: `sqlx::query(…).execute(&mut *guard)`.
+    ///
+    /// Never waits: fails with [`TxError::Busy`] when another guard is alive
+    /// and [`TxError::Finished`] once the layer has taken the transaction back.
+    pub fn lock(&self) -> Result<TxGuard<DB>, TxError> {
+        let guard = Arc::clone(&self.slot)
+            .try_lock_owned()
+            .map_err(|_| TxError::Busy)?;
+        OwnedMutexGuard::try_map(guard, Option::as_mut)
+            .map(|guard| TxGuard { guard })
+            .map_err(|_| TxError::Finished)
+    }
+
+    /// Takes the transaction back; `None` if a guard is still alive or it was
+    /// already taken.
+    pub(crate) fn take(&self) -> Option<Transaction<'static, DB>> {
+        self.slot.try_lock().ok()?.take()
+    }
+}
+
+/// Exclusive use of the claimed transaction; see [`Tx::lock`].
+pub struct TxGuard<DB: Database> {
+    guard: OwnedMappedMutexGuard<Option<Transaction<'static, DB>>, Transaction<'static, DB>>,
+}
+
+impl<DB: Database> std::fmt::Debug for TxGuard<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxGuard").finish_non_exhaustive()
+    }
+}
+
+impl<DB: Database> Deref for TxGuard<DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &DB::Connection {
+        &self.guard
+    }
+}
+
+impl<DB: Database> DerefMut for TxGuard<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        &mut self.guard
+    }
+}
+
+/// Why the claimed transaction could not be locked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TxError {
+    /// No [`Tx`] in the request extensions: the route is not behind
+    /// `IdempotencyLayer`, or the method is not guarded.
+    Missing,
+    /// Another guard of the same transaction is alive.
+    Busy,
+    /// The layer has already committed or rolled back the transaction.
+    Finished,
+}
+
+impl std::fmt::Display for TxError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Missing => {
+                "no idempotency transaction in the request: is IdempotencyLayer enabled for this route and method?"
+            }
+            Self::Busy => "the idempotency transaction is already locked by another guard",
+            Self::Finished => "the idempotency transaction has already been finished by the layer",
+        })
+    }
+}
+
+impl std::error::Error for TxError {}
+
+#[cfg(feature = "axum")]
+mod axum_impl {
+    use super::{Tx, TxError};
+    use axum::extract::FromRequestParts;
+    use axum::response::{IntoResponse, Response};
+    use http::StatusCode;
+    use http::request::Parts;
+
+    impl<S, DB> FromRequestParts<S> for Tx<DB>
+    where
+        S: Send + Sync,
+        DB: sqlx::Database,
+    {
+        type Rejection = TxError;
+
+        async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, TxError> {
+            parts.extensions.get::<Tx<DB>>().cloned().ok_or(TxError::Missing)
+        }
+    }
+
+    /// Answers `500` with the reason as plain text: each case is a server
+    /// misconfiguration or bug, never the client's fault.
+    impl IntoResponse for TxError {
+        fn into_response(self) -> Response {
+            (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+        }
+    }
+}
