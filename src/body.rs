@@ -80,7 +80,9 @@ where
 
     fn size_hint(&self) -> SizeHint {
         match &self.inner {
-            Inner::Buffered { data } => SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64)),
+            Inner::Buffered { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
             Inner::Streaming { body } => body.size_hint(),
         }
     }

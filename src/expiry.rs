@@ -29,5 +29,6 @@ pub(crate) fn expires_at(now: i64, retention: Duration) -> i64 {
 
 /// A tombstone, or a terminal row whose retention has ended.
 pub(crate) fn is_expired(record: &Record, now: i64) -> bool {
-    record.status == RecordStatus::Expired || (record.status.is_terminal() && now >= record.expires_at)
+    record.status == RecordStatus::Expired
+        || (record.status.is_terminal() && now >= record.expires_at)
 }

@@ -106,10 +106,12 @@ impl Normalizer {
         T: DeserializeOwned + Serialize + 'static,
     {
         Self::custom(|_, body| {
-            let typed: T = serde_json::from_slice(body)
-                .map_err(|e| FingerprintError::new(format!("the request body is not valid: {e}")))?;
-            let value = serde_json::to_value(&typed)
-                .map_err(|e| FingerprintError::new(format!("the request body is not valid: {e}")))?;
+            let typed: T = serde_json::from_slice(body).map_err(|e| {
+                FingerprintError::new(format!("the request body is not valid: {e}"))
+            })?;
+            let value = serde_json::to_value(&typed).map_err(|e| {
+                FingerprintError::new(format!("the request body is not valid: {e}"))
+            })?;
             Ok(canonical(&value))
         })
     }
@@ -124,7 +126,11 @@ impl Normalizer {
     }
 
     /// Computes the fingerprint of a buffered request.
-    pub fn fingerprint(&self, parts: &Parts, body: &Bytes) -> Result<Fingerprint, FingerprintError> {
+    pub fn fingerprint(
+        &self,
+        parts: &Parts,
+        body: &Bytes,
+    ) -> Result<Fingerprint, FingerprintError> {
         let normalized = match &self.0 {
             Inner::CanonicalJson if is_json(parts) => {
                 let value: Value = serde_json::from_slice(body).map_err(|e| {
@@ -138,7 +144,11 @@ impl Normalizer {
         let mut h = Sha256::new();
         let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
         // Length-prefix each part so no two different requests hash alike.
-        for part in [parts.method.as_str().as_bytes(), target.as_bytes(), &normalized] {
+        for part in [
+            parts.method.as_str().as_bytes(),
+            target.as_bytes(),
+            &normalized,
+        ] {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part);
         }
@@ -151,7 +161,12 @@ fn is_json(parts: &Parts) -> bool {
         return false;
     };
     let Ok(ct) = ct.to_str() else { return false };
-    let essence = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let essence = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     essence == "application/json" || essence.ends_with("+json")
 }
 
@@ -204,7 +219,13 @@ mod tests {
     use super::*;
     use http::{Method, Request};
 
-    fn fp(n: &Normalizer, method: Method, uri: &str, ct: Option<&str>, body: &str) -> Result<Fingerprint, FingerprintError> {
+    fn fp(
+        n: &Normalizer,
+        method: Method,
+        uri: &str,
+        ct: Option<&str>,
+        body: &str,
+    ) -> Result<Fingerprint, FingerprintError> {
         let mut b = Request::builder().method(method).uri(uri);
         if let Some(ct) = ct {
             b = b.header("content-type", ct);
@@ -218,8 +239,22 @@ mod tests {
     #[test]
     fn key_order_and_whitespace_are_ignored() {
         let n = Normalizer::default();
-        let a = fp(&n, Method::POST, "/orders", JSON, r#"{"amount":12000,"items":[{"sku":"A","qty":2}]}"#).unwrap();
-        let b = fp(&n, Method::POST, "/orders", Some("application/json; charset=utf-8"), "{ \"items\" : [ {\"qty\":2, \"sku\":\"A\"} ],\n \"amount\": 12000 }").unwrap();
+        let a = fp(
+            &n,
+            Method::POST,
+            "/orders",
+            JSON,
+            r#"{"amount":12000,"items":[{"sku":"A","qty":2}]}"#,
+        )
+        .unwrap();
+        let b = fp(
+            &n,
+            Method::POST,
+            "/orders",
+            Some("application/json; charset=utf-8"),
+            "{ \"items\" : [ {\"qty\":2, \"sku\":\"A\"} ],\n \"amount\": 12000 }",
+        )
+        .unwrap();
         assert_eq!(a, b);
     }
 
@@ -227,9 +262,18 @@ mod tests {
     fn meaning_changes_change_the_fingerprint() {
         let n = Normalizer::default();
         let base = fp(&n, Method::POST, "/orders", JSON, r#"{"amount":12000}"#).unwrap();
-        assert_ne!(base, fp(&n, Method::POST, "/orders", JSON, r#"{"amount":15000}"#).unwrap());
-        assert_ne!(base, fp(&n, Method::PATCH, "/orders", JSON, r#"{"amount":12000}"#).unwrap());
-        assert_ne!(base, fp(&n, Method::POST, "/payments", JSON, r#"{"amount":12000}"#).unwrap());
+        assert_ne!(
+            base,
+            fp(&n, Method::POST, "/orders", JSON, r#"{"amount":15000}"#).unwrap()
+        );
+        assert_ne!(
+            base,
+            fp(&n, Method::PATCH, "/orders", JSON, r#"{"amount":12000}"#).unwrap()
+        );
+        assert_ne!(
+            base,
+            fp(&n, Method::POST, "/payments", JSON, r#"{"amount":12000}"#).unwrap()
+        );
         // array order is meaning
         assert_ne!(
             fp(&n, Method::POST, "/o", JSON, "[1,2]").unwrap(),
@@ -241,15 +285,39 @@ mod tests {
     fn invalid_json_is_refused_and_other_types_hash_raw() {
         let n = Normalizer::default();
         assert!(fp(&n, Method::POST, "/o", JSON, "{\"a\":").is_err());
-        assert!(fp(&n, Method::POST, "/o", Some("application/problem+json"), "nope").is_err());
-        let raw1 = fp(&n, Method::POST, "/o", Some("text/plain"), "{\"a\":1, \"b\":2}").unwrap();
-        let raw2 = fp(&n, Method::POST, "/o", Some("text/plain"), "{\"b\":2, \"a\":1}").unwrap();
+        assert!(
+            fp(
+                &n,
+                Method::POST,
+                "/o",
+                Some("application/problem+json"),
+                "nope"
+            )
+            .is_err()
+        );
+        let raw1 = fp(
+            &n,
+            Method::POST,
+            "/o",
+            Some("text/plain"),
+            "{\"a\":1, \"b\":2}",
+        )
+        .unwrap();
+        let raw2 = fp(
+            &n,
+            Method::POST,
+            "/o",
+            Some("text/plain"),
+            "{\"b\":2, \"a\":1}",
+        )
+        .unwrap();
         assert_ne!(raw1, raw2);
     }
 
     #[test]
     fn canonical_form_is_stable() {
-        let v: Value = serde_json::from_str(r#"{"b":[true,null,1.5,"x\"y"],"a":{"d":1,"c":2}}"#).unwrap();
+        let v: Value =
+            serde_json::from_str(r#"{"b":[true,null,1.5,"x\"y"],"a":{"d":1,"c":2}}"#).unwrap();
         assert_eq!(
             String::from_utf8(canonical(&v)).unwrap(),
             r#"{"a":{"c":2,"d":1},"b":[true,null,1.5,"x\"y"]}"#

@@ -156,8 +156,7 @@ fn parse_sf_string(v: &[u8]) -> Result<String, KeyError> {
 }
 
 fn parse_bare(v: &[u8]) -> Result<String, KeyError> {
-    if v
-        .iter()
+    if v.iter()
         .all(|&c| (0x21..=0x7e).contains(&c) && !matches!(c, b'"' | b'\\' | b','))
     {
         // Every byte is ASCII, so this cannot fail; map rather than unwrap.

@@ -234,7 +234,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// The bounds on claiming a contested key: at most `attempts` tries, with
     /// jittered backoff between them, all within `deadline`. The default is
     /// 3 attempts within 10 seconds.
-    pub fn with_claim_retries(mut self, attempts: u32, deadline: Duration) -> Result<Self, ConfigError> {
+    pub fn with_claim_retries(
+        mut self,
+        attempts: u32,
+        deadline: Duration,
+    ) -> Result<Self, ConfigError> {
         self.config.claim_attempts = nonzero(attempts, "claim attempts")?;
         self.config.claim_deadline = nonzero(deadline, "claim deadline")?;
         Ok(self)

@@ -122,7 +122,9 @@ impl ProblemKind {
             Self::InFlight | Self::Unconfirmed => StatusCode::CONFLICT,
             Self::Expired => StatusCode::GONE,
             Self::CommitUnknown | Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::ResponseTooLarge | Self::ResponseUnreadable | Self::TransactionHeld => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::ResponseTooLarge | Self::ResponseUnreadable | Self::TransactionHeld => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 }
@@ -181,7 +183,8 @@ impl Problem {
             HeaderValue::from_static("application/problem+json"),
         );
         if let Some(secs) = self.retry_after_secs {
-            res.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            res.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
         res
     }

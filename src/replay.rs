@@ -95,7 +95,12 @@ mod tests {
         h.insert(DATE, "Sun, 29 Nov 2026 00:00:00 GMT".parse().unwrap());
         h.insert(SET_COOKIE, "s=1".parse().unwrap());
         let body = Bytes::from_static(b"{\"orderId\":7}\xff\x00");
-        let stored = StoredResponse::capture(StatusCode::CREATED, &h, &[CONTENT_TYPE, LOCATION], body.clone());
+        let stored = StoredResponse::capture(
+            StatusCode::CREATED,
+            &h,
+            &[CONTENT_TYPE, LOCATION],
+            body.clone(),
+        );
         let res = stored.to_response(true);
         assert_eq!(res.status(), StatusCode::CREATED);
         assert_eq!(res.body(), &body);
@@ -104,6 +109,12 @@ mod tests {
         assert_eq!(res.headers()[IDEMPOTENT_REPLAYED], "true");
         assert!(res.headers().get(DATE).is_none());
         assert!(res.headers().get(SET_COOKIE).is_none());
-        assert!(stored.to_response(false).headers().get(IDEMPOTENT_REPLAYED).is_none());
+        assert!(
+            stored
+                .to_response(false)
+                .headers()
+                .get(IDEMPOTENT_REPLAYED)
+                .is_none()
+        );
     }
 }

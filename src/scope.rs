@@ -90,7 +90,10 @@ mod tests {
 
     #[test]
     fn default_operation_is_method_and_path() {
-        let (parts, ()) = http::Request::post("/orders?x=1").body(()).unwrap().into_parts();
+        let (parts, ()) = http::Request::post("/orders?x=1")
+            .body(())
+            .unwrap()
+            .into_parts();
         assert_eq!(default_operation(&parts), "POST /orders");
     }
 }

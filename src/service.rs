@@ -79,7 +79,11 @@ impl<S, DB: Backend> std::fmt::Debug for Idempotency<S, DB> {
 
 impl<S, DB: Backend> Idempotency<S, DB> {
     pub(crate) fn new(inner: S, pool: Pool<DB>, config: Arc<Config>) -> Self {
-        Self { inner, pool, config }
+        Self {
+            inner,
+            pool,
+            config,
+        }
     }
 }
 
@@ -230,11 +234,20 @@ impl<DB: Backend> Run<DB> {
                 let res = inner.call(req).await?;
                 return Ok(streamed(res, IdempotencyOutcome::Unguarded));
             }
-            Err(e) => return Ok(refuse(Problem::new(ProblemKind::MalformedKey, e.to_string()), 0)),
+            Err(e) => {
+                return Ok(refuse(
+                    Problem::new(ProblemKind::MalformedKey, e.to_string()),
+                    0,
+                ));
+            }
         };
         let Some(principal) = (cfg.principal)(&parts) else {
-            let detail = "the request carries no authenticated principal to scope its Idempotency-Key";
-            return Ok(refuse(Problem::new(ProblemKind::MissingPrincipal, detail), 0));
+            let detail =
+                "the request carries no authenticated principal to scope its Idempotency-Key";
+            return Ok(refuse(
+                Problem::new(ProblemKind::MissingPrincipal, detail),
+                0,
+            ));
         };
         let body = match read_body(&parts.headers, body, cfg.max_request_body).await {
             Ok(body) => body,
@@ -242,7 +255,12 @@ impl<DB: Backend> Run<DB> {
         };
         let fingerprint = match cfg.normalizer.fingerprint(&parts, &body) {
             Ok(fp) => fp,
-            Err(e) => return Ok(refuse(Problem::new(ProblemKind::InvalidBody, e.to_string()), 0)),
+            Err(e) => {
+                return Ok(refuse(
+                    Problem::new(ProblemKind::InvalidBody, e.to_string()),
+                    0,
+                ));
+            }
         };
         let operation = match &cfg.operation {
             Some(op) => op.to_string(),
@@ -283,7 +301,9 @@ impl<DB: Backend> Run<DB> {
                         Ok(Some(Verdict::Answer(answer))) => return Claimed::Answer(answer),
                         Ok(Some(Verdict::InFlight)) => ProblemKind::InFlight,
                         Ok(None) => ProblemKind::Unconfirmed,
-                        Err(e) => return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts)),
+                        Err(e) => {
+                            return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts));
+                        }
                     },
                     Err(e) if DB::error_kind(&e) == StoreErrorKind::LockTimeout => {
                         ProblemKind::InFlight
@@ -307,7 +327,10 @@ impl<DB: Backend> Run<DB> {
             "a request with this Idempotency-Key is still being processed; retry with the same key later"
         };
         let retry_after = cfg.in_flight_wait.as_secs().max(1);
-        Claimed::Answer(refusal(Problem::new(pending, detail).retry_after(retry_after), attempts))
+        Claimed::Answer(refusal(
+            Problem::new(pending, detail).retry_after(retry_after),
+            attempts,
+        ))
     }
 
     /// One claim attempt: `Ok(Some)` owns the scope, `Ok(None)` lost it to a
@@ -407,7 +430,10 @@ impl<DB: Backend> Run<DB> {
         let handle = Tx::new(tx);
         let mut req = Request::from_parts(parts, IdempotencyBody::buffered(body));
         req.extensions_mut().insert(handle.clone());
-        let result = CatchUnwind { inner: inner.call(req) }.await;
+        let result = CatchUnwind {
+            inner: inner.call(req),
+        }
+        .await;
         let tx = handle.take();
         drop(handle);
         let res = match result {
@@ -425,17 +451,29 @@ impl<DB: Backend> Run<DB> {
             // The handler still holds the transaction: it rolls back when the
             // handler lets go, and nothing may be recorded.
             let detail = "the handler kept the idempotency transaction after answering; nothing was committed";
-            return Ok(refuse(Problem::new(ProblemKind::TransactionHeld, detail), 1));
+            return Ok(refuse(
+                Problem::new(ProblemKind::TransactionHeld, detail),
+                1,
+            ));
         };
         let (res_parts, res_body) = res.into_parts();
-        let body = match Limited::new(res_body, self.config.max_response_body).collect().await {
+        let body = match Limited::new(res_body, self.config.max_response_body)
+            .collect()
+            .await
+        {
             Ok(collected) => collected.to_bytes(),
             Err(e) => {
                 rollback(Some(tx)).await;
                 let (kind, detail) = if e.downcast_ref::<LengthLimitError>().is_some() {
-                    (ProblemKind::ResponseTooLarge, "the response was larger than the recording limit; nothing was committed")
+                    (
+                        ProblemKind::ResponseTooLarge,
+                        "the response was larger than the recording limit; nothing was committed",
+                    )
                 } else {
-                    (ProblemKind::ResponseUnreadable, "the response body failed while being recorded; nothing was committed")
+                    (
+                        ProblemKind::ResponseUnreadable,
+                        "the response body failed while being recorded; nothing was committed",
+                    )
                 };
                 return Ok(refuse(Problem::new(kind, detail), 1));
             }
@@ -460,7 +498,10 @@ impl<DB: Backend> Run<DB> {
             &self.config.recorded_headers,
             body,
         );
-        let resource_id = res_parts.extensions.get::<ResourceId>().map(ResourceId::as_str);
+        let resource_id = res_parts
+            .extensions
+            .get::<ResourceId>()
+            .map(ResourceId::as_str);
         let recorded = async {
             if status == RecordStatus::FailedFinal {
                 DB::rollback_to_savepoint(&mut tx).await?;
@@ -485,10 +526,13 @@ impl<DB: Backend> Run<DB> {
             Err(e) if DB::error_kind(&e) == StoreErrorKind::ConnectionLost => {
                 // The commit may or may not have landed: ask the ledger.
                 match self.lookup(id).await {
-                    Ok(Some(Verdict::Answer((_, IdempotencyOutcome::Replayed)))) => respond(stored.body),
+                    Ok(Some(Verdict::Answer((_, IdempotencyOutcome::Replayed)))) => {
+                        respond(stored.body)
+                    }
                     _ => {
                         let detail = "the connection was lost while committing and the ledger shows no commit; retry with the same key";
-                        let problem = Problem::new(ProblemKind::CommitUnknown, detail).retry_after(1);
+                        let problem =
+                            Problem::new(ProblemKind::CommitUnknown, detail).retry_after(1);
                         Ok(refuse(problem, 1))
                     }
                 }
@@ -501,7 +545,9 @@ impl<DB: Backend> Run<DB> {
 /// A store error before anything was committed: nothing took effect, retry.
 fn store_problem<DB: Backend>(e: &sqlx::Error) -> Problem {
     let detail = match DB::error_kind(e) {
-        StoreErrorKind::ConnectionLost => "the idempotency store could not be reached; nothing was recorded, retry with the same key",
+        StoreErrorKind::ConnectionLost => {
+            "the idempotency store could not be reached; nothing was recorded, retry with the same key"
+        }
         _ => "the idempotency store failed; nothing was recorded, retry with the same key",
     };
     Problem::new(ProblemKind::StoreUnavailable, detail).retry_after(1)

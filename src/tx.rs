@@ -126,7 +126,7 @@ impl std::error::Error for TxError {}
 #[cfg(feature = "axum")]
 mod axum_impl {
     use super::{Tx, TxError};
-    use axum::extract::FromRequestParts;
+    use axum::extract::{FromRequestParts, OptionalFromRequestParts};
     use axum::response::{IntoResponse, Response};
     use http::StatusCode;
     use http::request::Parts;
@@ -139,7 +139,28 @@ mod axum_impl {
         type Rejection = TxError;
 
         async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, TxError> {
-            parts.extensions.get::<Tx<DB>>().cloned().ok_or(TxError::Missing)
+            parts
+                .extensions
+                .get::<Tx<DB>>()
+                .cloned()
+                .ok_or(TxError::Missing)
+        }
+    }
+
+    /// `Option<Tx<DB>>`: `None` where the layer did not claim (an unguarded
+    /// method, or no key with keys optional), so one handler can serve both.
+    impl<S, DB> OptionalFromRequestParts<S> for Tx<DB>
+    where
+        S: Send + Sync,
+        DB: sqlx::Database,
+    {
+        type Rejection = std::convert::Infallible;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            Ok(parts.extensions.get::<Tx<DB>>().cloned())
         }
     }
 

@@ -168,7 +168,9 @@ pub trait Backend: Database {
 
     /// Marks the point after the claim that final business errors roll back
     /// to, and lifts any lock bound `begin_claim` set for the claim.
-    fn savepoint(conn: &mut Self::Connection) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    fn savepoint(
+        conn: &mut Self::Connection,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Rolls back to the point set by [`savepoint`](Backend::savepoint).
     fn rollback_to_savepoint(
@@ -222,7 +224,15 @@ type RecordRow = (
 );
 
 fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
-    let (status, fingerprint, response_status, response_headers, response_body, resource_id, expires_at) = row;
+    let (
+        status,
+        fingerprint,
+        response_status,
+        response_headers,
+        response_body,
+        resource_id,
+        expires_at,
+    ) = row;
     let status = RecordStatus::parse(&status)
         .ok_or_else(|| sqlx::Error::Decode(format!("unknown ledger status {status:?}").into()))?;
     Ok(Record {

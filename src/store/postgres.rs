@@ -9,10 +9,12 @@ use super::{Backend, StoreErrorKind, generic_error_kind, shared_statements};
 
 impl Backend for Postgres {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(include_str!("../../migrations/postgres/0001_idempotency_records.sql"))
-            .execute(pool)
-            .await
-            .map(drop)
+        sqlx::raw_sql(include_str!(
+            "../../migrations/postgres/0001_idempotency_records.sql"
+        ))
+        .execute(pool)
+        .await
+        .map(drop)
     }
 
     async fn begin_claim(

@@ -1,0 +1,591 @@
+//! The decision table of `../shared/CONTRACT.md` and the seed's acceptance
+//! list, on real databases, judged by the rows committed.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Answer, Harness, TestDb, order, send};
+use http::StatusCode;
+use tower_idempotency::IdempotencyLayer;
+
+const BODY: &str = r#"{"amount":12000,"items":[]}"#;
+const ALICE: Option<&str> = Some("user-42");
+const KEY: Option<&str> = Some("\"checkout-20260914-001\"");
+
+backend_tests!(
+    first_request_commits_order_and_succeeded_row,
+    retry_replays_byte_for_byte_without_executing,
+    quoted_and_bare_key_are_the_same_key,
+    missing_key_is_refused_and_nothing_stored,
+    malformed_keys_are_refused_and_nothing_stored,
+    missing_principal_is_refused_and_nothing_stored,
+    oversized_body_is_refused_before_buffering,
+    invalid_bodies_are_refused_and_nothing_stored,
+    changed_payload_is_refused_with_422,
+    mismatch_status_can_be_409,
+    handler_rejection_rolls_back_and_key_stays_usable,
+    final_business_error_records_failed_final_without_partial_writes,
+    server_error_rolls_back_and_retry_runs_afresh,
+    handler_can_mark_a_response_final_or_retryable,
+    concurrent_duplicate_waits_then_replays,
+    stuck_claim_is_bounded_then_in_flight_409,
+    expired_record_is_refused_with_410,
+    fifty_concurrent_duplicates_execute_once,
+    other_principal_same_key_is_independent,
+    dropped_future_commits_nothing,
+    panicking_handler_commits_nothing,
+    held_transaction_handle_commits_nothing,
+    lost_connection_commits_nothing_and_retry_runs_once,
+    unguarded_methods_pass_through,
+);
+
+async fn first_request_commits_order_and_succeeded_row<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let a = send(&app, order(ALICE, KEY, BODY)).await;
+    assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
+    let id = a.json()["orderId"].as_i64().expect("order id");
+    assert_eq!(a.headers["location"], format!("/orders/{id}"));
+    assert!(!a.replayed());
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+    assert_eq!(h.ledger().await, 1);
+    let resource: String = DB::count(&h.pool, "SELECT COUNT(*) FROM idempotency_records WHERE resource_id IS NOT NULL AND response_body IS NOT NULL AND response_status = 201").await.to_string();
+    assert_eq!(resource, "1");
+}
+
+async fn retry_replays_byte_for_byte_without_executing<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let first = send(&app, order(ALICE, KEY, BODY)).await;
+    // Same meaning, other whitespace and key order: same fingerprint.
+    let retry = send(
+        &app,
+        order(ALICE, KEY, r#"{ "items": [], "amount": 12000 }"#),
+    )
+    .await;
+    assert_eq!(retry.status, first.status);
+    assert_eq!(
+        retry.body, first.body,
+        "replayed body must be byte-identical"
+    );
+    assert_eq!(retry.headers["location"], first.headers["location"]);
+    assert_eq!(retry.headers["content-type"], first.headers["content-type"]);
+    assert!(retry.replayed());
+    assert!(
+        retry.headers.get("x-attempt-nonce").is_none(),
+        "only allow-listed headers are replayed"
+    );
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger().await, 1);
+}
+
+async fn quoted_and_bare_key_are_the_same_key<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let first = send(&app, order(ALICE, Some("\"k-1\""), BODY)).await;
+    let bare = send(&app, order(ALICE, Some("k-1"), BODY)).await;
+    assert_eq!(bare.body, first.body);
+    assert!(bare.replayed());
+    assert_eq!(h.orders().await, 1);
+    // Strict mode refuses the bare form.
+    let strict = h.app_with(h.layer().with_key_mode(tower_idempotency::KeyMode::Strict));
+    let refused = send(&strict, order(ALICE, Some("k-2"), BODY)).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    assert_eq!(refused.problem(), "malformed-key");
+    assert_eq!(h.orders().await, 1);
+}
+
+async fn missing_key_is_refused_and_nothing_stored<DB: TestDb>(h: Harness<DB>) {
+    let a = send(&h.app(), order(ALICE, None, BODY)).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert_eq!(a.problem(), "missing-key");
+    assert_eq!(h.executions(), 0);
+    h.assert_nothing_stored().await;
+    // Optional keys: passes through unprotected, and is never deduplicated by body.
+    let optional = h.app_with(h.layer().with_key_required(false));
+    send(&optional, order(ALICE, None, BODY)).await;
+    send(&optional, order(ALICE, None, BODY)).await;
+    assert_eq!(h.orders().await, 2);
+    assert_eq!(h.ledger().await, 0);
+}
+
+async fn malformed_keys_are_refused_and_nothing_stored<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let long = "a".repeat(256);
+    let long_quoted = format!("\"{long}\"");
+    for key in [
+        "",
+        "\"\"",
+        long.as_str(),
+        long_quoted.as_str(),
+        "a\tb",
+        "\"abc",
+        "\"a\"b",
+        "a b",
+        "a,b",
+    ] {
+        let a = send(&app, order(ALICE, Some(key), BODY)).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "key {key:?}");
+        assert_eq!(a.problem(), "malformed-key", "key {key:?}");
+    }
+    // Non-ASCII bytes (obs-text) reach the layer; other control characters
+    // than tab are refused by the HTTP parser itself (see the key unit tests).
+    for raw in [&b"caf\xc3\xa9"[..], b"\"\xffab\""] {
+        let mut req = order(ALICE, None, BODY);
+        req.headers_mut().insert(
+            "idempotency-key",
+            http::HeaderValue::from_bytes(raw).unwrap(),
+        );
+        let a = send(&app, req).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "key {raw:?}");
+        assert_eq!(a.problem(), "malformed-key");
+    }
+    // Two header lines.
+    let mut req = order(ALICE, Some("a"), BODY);
+    req.headers_mut()
+        .append("idempotency-key", "b".parse().unwrap());
+    assert_eq!(send(&app, req).await.problem(), "malformed-key");
+    // 255 is still fine.
+    let ok = send(&app, order(ALICE, Some(&"a".repeat(255)), BODY)).await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger().await, 1);
+}
+
+async fn missing_principal_is_refused_and_nothing_stored<DB: TestDb>(h: Harness<DB>) {
+    let a = send(&h.app(), order(None, KEY, BODY)).await;
+    assert_eq!(a.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(a.problem(), "missing-principal");
+    // The default principal source (request extensions) finds none either.
+    let a = send(
+        &h.app_with(IdempotencyLayer::new(h.pool.clone())),
+        order(ALICE, KEY, BODY),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(h.executions(), 0);
+    h.assert_nothing_stored().await;
+}
+
+async fn oversized_body_is_refused_before_buffering<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app_with(h.layer().with_max_request_body(64).unwrap());
+    let big = format!(r#"{{"amount":1,"pad":"{}"}}"#, "x".repeat(100));
+    // Declared length over the limit.
+    let a = send(&app, order(ALICE, KEY, &big)).await;
+    assert_eq!(a.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(a.problem(), "body-too-large");
+    // No declared length: a stream that never ends would hang a layer that
+    // reads it all; this one stops at the limit.
+    let endless = futures_stream(1024);
+    let mut req = order(ALICE, KEY, "");
+    *req.body_mut() = axum::body::Body::from_stream(endless);
+    req.headers_mut().remove("content-length");
+    let a = tokio::time::timeout(Duration::from_secs(5), send(&app, req))
+        .await
+        .expect("no hang");
+    assert_eq!(a.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(h.executions(), 0);
+    h.assert_nothing_stored().await;
+}
+
+/// An endless body stream of `chunk`-byte pieces.
+fn futures_stream(
+    chunk: usize,
+) -> impl futures_core::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Send {
+    struct Endless(bytes::Bytes);
+    impl futures_core::Stream for Endless {
+        type Item = Result<bytes::Bytes, std::io::Error>;
+        fn poll_next(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            std::task::Poll::Ready(Some(Ok(self.0.clone())))
+        }
+    }
+    Endless(bytes::Bytes::from(vec![b' '; chunk]))
+}
+
+async fn invalid_bodies_are_refused_and_nothing_stored<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let a = send(&app, order(ALICE, KEY, r#"{"amount":"#)).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert_eq!(a.problem(), "invalid-body");
+    let mut req = order(ALICE, KEY, "");
+    *req.body_mut() = axum::body::Body::from(vec![b'{', 0xff, 0xfe, b'}']);
+    let a = send(&app, req).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert_eq!(a.problem(), "invalid-body");
+    assert_eq!(h.executions(), 0);
+    h.assert_nothing_stored().await;
+}
+
+async fn changed_payload_is_refused_with_422<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let first = send(&app, order(ALICE, KEY, BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let changed = send(&app, order(ALICE, KEY, r#"{"amount":15000,"items":[]}"#)).await;
+    assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(changed.problem(), "key-reused");
+    assert!(!changed.replayed());
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger().await, 1);
+}
+
+async fn mismatch_status_can_be_409<DB: TestDb>(h: Harness<DB>) {
+    assert!(
+        h.layer()
+            .with_mismatch_status(StatusCode::BAD_REQUEST)
+            .is_err()
+    );
+    let app = h.app_with(
+        h.layer()
+            .with_mismatch_status(StatusCode::CONFLICT)
+            .unwrap(),
+    );
+    send(&app, order(ALICE, KEY, BODY)).await;
+    let changed = send(&app, order(ALICE, KEY, r#"{"amount":1,"items":[]}"#)).await;
+    assert_eq!(changed.status, StatusCode::CONFLICT);
+    assert_eq!(changed.problem(), "key-reused");
+    assert_eq!(h.orders().await, 1);
+}
+
+async fn handler_rejection_rolls_back_and_key_stays_usable<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    // The handler writes an order, then rejects the request with 422.
+    let bad = send(&app, order(ALICE, KEY, r#"{"amount":-1}"#)).await;
+    assert_eq!(bad.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        h.orders().await,
+        0,
+        "the rejected request's write is rolled back"
+    );
+    assert_eq!(h.ledger().await, 0, "a rejection is not recorded");
+    // The same key with a corrected request runs.
+    let good = send(&app, order(ALICE, KEY, BODY)).await;
+    assert_eq!(good.status, StatusCode::CREATED);
+    assert!(!good.replayed());
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+}
+
+async fn final_business_error_records_failed_final_without_partial_writes<DB: TestDb>(
+    h: Harness<DB>,
+) {
+    DB::set_stock(&h.pool, "A-10", 5).await;
+    DB::set_stock(&h.pool, "B-20", 1).await;
+    let app = h.app();
+    // A-10 is taken (a partial write), then B-20 is short: final error.
+    let body = r#"{"amount":12000,"items":[{"sku":"A-10","qty":2},{"sku":"B-20","qty":3}]}"#;
+    let first = send(&app, order(ALICE, KEY, body)).await;
+    assert_eq!(first.status, StatusCode::CONFLICT);
+    assert_eq!(
+        first.json()["type"],
+        "https://example.test/problems/out-of-stock"
+    );
+    assert_eq!(h.orders().await, 0, "no partial order");
+    assert_eq!(
+        DB::stock(&h.pool, "A-10").await,
+        5,
+        "no partial stock change"
+    );
+    assert_eq!(DB::stock(&h.pool, "B-20").await, 1);
+    assert_eq!(h.ledger_with("FAILED_FINAL").await, 1);
+    assert_eq!(h.ledger().await, 1);
+    // The retry replays the same error, even after a restock.
+    DB::set_stock(&h.pool, "B-20", 10).await;
+    let retry = send(&app, order(ALICE, KEY, body)).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(retry.body, first.body);
+    assert!(retry.replayed());
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 0);
+    assert_eq!(DB::stock(&h.pool, "B-20").await, 10);
+}
+
+async fn server_error_rolls_back_and_retry_runs_afresh<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let failed = send(
+        &app,
+        order(ALICE, KEY, r#"{"amount":12000,"mode":"fail500"}"#),
+    )
+    .await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    h.assert_nothing_stored().await;
+    let ok = send(
+        &app,
+        order(
+            ALICE,
+            KEY,
+            r#"{"amount":12000,"mode":"fail500"}"#.replace("fail500", "").as_str(),
+        ),
+    )
+    .await;
+    assert_eq!(ok.status, StatusCode::CREATED, "{ok:?}");
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.orders().await, 1);
+}
+
+async fn handler_can_mark_a_response_final_or_retryable<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    // A 502 marked final: recorded, business writes undone, replayed.
+    let body = r#"{"amount":1,"mode":"mark_final"}"#;
+    let first = send(&app, order(ALICE, Some("final"), body)).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(h.ledger_with("FAILED_FINAL").await, 1);
+    assert_eq!(h.orders().await, 0);
+    let retry = send(&app, order(ALICE, Some("final"), body)).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    // A 409 marked retryable: nothing recorded, the retry runs again.
+    let body = r#"{"amount":1,"mode":"mark_retryable"}"#;
+    send(&app, order(ALICE, Some("retryable"), body)).await;
+    let again = send(&app, order(ALICE, Some("retryable"), body)).await;
+    assert_eq!(again.status, StatusCode::CONFLICT);
+    assert!(!again.replayed());
+    assert_eq!(h.executions(), 3);
+    assert_eq!(h.ledger().await, 1);
+    assert_eq!(h.orders().await, 0);
+}
+
+async fn concurrent_duplicate_waits_then_replays<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let body = r#"{"amount":12000,"sleep_ms":300}"#;
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, order(ALICE, KEY, body)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = send(&app, order(ALICE, KEY, body)).await;
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+}
+
+/// Acceptance 6: the claim conflicts with a row nobody can read yet (an
+/// uncommitted claim of a stuck request). Retries stay within the attempt
+/// and deadline bounds, then the answer is "in flight", and nothing runs.
+async fn stuck_claim_is_bounded_then_in_flight_409<DB: TestDb>(h: Harness<DB>) {
+    let layer = h
+        .layer()
+        .with_in_flight_wait(Duration::from_millis(200))
+        .unwrap()
+        .with_claim_retries(3, Duration::from_secs(8))
+        .unwrap();
+    let app = h.app_with(layer);
+    let stuck = DB::hold_claim(&h.pool, "user-42", "POST /orders", "checkout-20260914-001").await;
+    let started = Instant::now();
+    let response = app.clone().oneshot_outcome(order(ALICE, KEY, BODY)).await;
+    let elapsed = started.elapsed();
+    assert_eq!(response.0.status, StatusCode::CONFLICT, "{:?}", response.0);
+    assert_eq!(response.0.problem(), "in-flight");
+    assert!(response.0.headers.contains_key("retry-after"));
+    assert_eq!(
+        response.1,
+        Some(tower_idempotency::IdempotencyOutcome::Refused {
+            problem: tower_idempotency::ProblemKind::InFlight,
+            attempts: 3
+        })
+    );
+    assert!(
+        elapsed < Duration::from_secs(8),
+        "bounded by the deadline: {elapsed:?}"
+    );
+    assert_eq!(h.executions(), 0);
+    // The stuck request dies: the key is free and runs once.
+    stuck.rollback().await.unwrap();
+    let ok = send(&app, order(ALICE, KEY, BODY)).await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+}
+
+trait OneshotOutcome {
+    async fn oneshot_outcome(
+        self,
+        req: http::Request<axum::body::Body>,
+    ) -> (Answer, Option<tower_idempotency::IdempotencyOutcome>);
+}
+
+impl OneshotOutcome for axum::Router {
+    async fn oneshot_outcome(
+        self,
+        req: http::Request<axum::body::Body>,
+    ) -> (Answer, Option<tower_idempotency::IdempotencyOutcome>) {
+        use http_body_util::BodyExt;
+        use tower::ServiceExt;
+        let res = self.oneshot(req).await.unwrap();
+        let outcome = res
+            .extensions()
+            .get::<tower_idempotency::IdempotencyOutcome>()
+            .copied();
+        let (parts, body) = res.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        (
+            Answer {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+            },
+            outcome,
+        )
+    }
+}
+
+/// Acceptance 7: a late retry after retention is refused, never re-executed.
+async fn expired_record_is_refused_with_410<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let first = send(&app, order(ALICE, KEY, BODY)).await;
+    let id = first.json()["orderId"].as_i64().unwrap().to_string();
+    DB::exec(&h.pool, "UPDATE idempotency_records SET expires_at = 1").await;
+    let late = send(&app, order(ALICE, KEY, BODY)).await;
+    assert_eq!(late.status, StatusCode::GONE);
+    assert_eq!(late.problem(), "expired");
+    assert_eq!(late.json()["resource_id"], id.as_str());
+    // A tombstone is refused too, whatever the payload.
+    DB::exec(&h.pool, "UPDATE idempotency_records SET status = 'EXPIRED', response_body = NULL, response_headers = NULL, expires_at = 9000000000000").await;
+    let changed = send(&app, order(ALICE, KEY, r#"{"amount":1}"#)).await;
+    assert_eq!(changed.status, StatusCode::GONE);
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger().await, 1);
+}
+
+/// Acceptance 3 at scale: 50 callers, one key, one execution.
+async fn fifty_concurrent_duplicates_execute_once<DB: TestDb>(h: Harness<DB>) {
+    DB::set_stock(&h.pool, "A-10", 100).await;
+    let app = h.app();
+    let body = r#"{"amount":12000,"items":[{"sku":"A-10","qty":1}],"sleep_ms":50}"#;
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, order(ALICE, KEY, body)).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    assert_eq!(h.executions(), 1, "exactly one execution");
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(DB::stock(&h.pool, "A-10").await, 99, "one stock decrement");
+    assert_eq!(h.ledger().await, 1);
+    let created: Vec<_> = answers
+        .iter()
+        .filter(|a| a.status == StatusCode::CREATED)
+        .collect();
+    assert!(!created.is_empty());
+    for a in &answers {
+        match a.status {
+            StatusCode::CREATED => {
+                assert_eq!(a.body, created[0].body, "every 201 is the same bytes")
+            }
+            StatusCode::CONFLICT => assert_eq!(a.problem(), "in-flight"),
+            other => panic!("unexpected {other}: {a:?}"),
+        }
+    }
+}
+
+async fn other_principal_same_key_is_independent<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let alice = send(&app, order(ALICE, KEY, BODY)).await;
+    let bob = send(&app, order(Some("user-7"), KEY, BODY)).await;
+    assert_eq!(bob.status, StatusCode::CREATED);
+    assert!(!bob.replayed(), "never another principal's answer");
+    assert_ne!(alice.json()["orderId"], bob.json()["orderId"]);
+    assert_eq!(bob.json()["principal"], "user-7");
+    // A changed payload for Bob is not judged against Alice's record.
+    let bob2 = send(
+        &app,
+        order(Some("user-7"), Some("fresh"), r#"{"amount":5}"#),
+    )
+    .await;
+    assert_eq!(bob2.status, StatusCode::CREATED);
+    assert_eq!(h.executions(), 3);
+    assert_eq!(h.orders().await, 3);
+    assert_eq!(h.ledger().await, 3);
+}
+
+async fn dropped_future_commits_nothing<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let slow = r#"{"amount":12000,"sleep_ms":2000}"#;
+    let cut = tokio::time::timeout(
+        Duration::from_millis(300),
+        send(&app, order(ALICE, KEY, slow)),
+    )
+    .await;
+    assert!(cut.is_err(), "the client went away mid-handler");
+    assert_eq!(h.executions(), 1);
+    // The retry is not blocked by the abandoned claim and runs afresh.
+    let retry = send(&app, order(ALICE, KEY, slow.replace("2000", "0").as_str())).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger().await, 1);
+}
+
+async fn panicking_handler_commits_nothing<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let panicked = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, order(ALICE, KEY, r#"{"amount":1,"mode":"panic"}"#)).await }
+    })
+    .await;
+    assert!(
+        panicked.unwrap_err().is_panic(),
+        "the panic continues past the layer"
+    );
+    h.assert_nothing_stored().await;
+    let retry = send(&app, order(ALICE, KEY, r#"{"amount":1,"mode":"ok"}"#)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.orders().await, 1);
+}
+
+async fn held_transaction_handle_commits_nothing<DB: TestDb>(h: Harness<DB>) {
+    let app = h.app();
+    let a = send(&app, order(ALICE, KEY, r#"{"amount":1,"mode":"hold"}"#)).await;
+    assert_eq!(a.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(a.problem(), "transaction-held");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    h.assert_nothing_stored().await;
+}
+
+/// The connection dies under the handler's transaction: nothing commits, the
+/// client gets a retryable 503, and the retry runs exactly once.
+async fn lost_connection_commits_nothing_and_retry_runs_once<DB: TestDb>(h: Harness<DB>) {
+    if DB::LABEL == "sqlite" {
+        // An embedded database has no connection to lose.
+        return;
+    }
+    let app = h.app();
+    let a = send(
+        &app,
+        order(ALICE, KEY, r#"{"amount":1,"mode":"kill_connection"}"#),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
+    assert!(a.headers.contains_key("retry-after"));
+    h.assert_nothing_stored().await;
+    let retry = send(&app, order(ALICE, KEY, r#"{"amount":1,"mode":"ok"}"#)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.orders().await, 1);
+}
+
+async fn unguarded_methods_pass_through<DB: TestDb>(h: Harness<DB>) {
+    // PUT is not guarded by default: no key needed, no ledger row.
+    let mut req = order(ALICE, None, BODY);
+    *req.method_mut() = http::Method::PUT;
+    let a = send(&h.app(), req).await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert_eq!(h.ledger().await, 0);
+    assert_eq!(h.orders().await, 1);
+}
