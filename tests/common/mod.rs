@@ -23,8 +23,11 @@ use tower_idempotency::{Backend, Classification, IdempotencyLayer, Principal, Re
 /// What a test needs from a database besides the ledger.
 pub trait TestDb: Backend + Sized {
     const LABEL: &'static str;
-    /// A pool on a database of its own, and the guard that drops it.
+    /// A pool on a database of its own, with the ledger and the test tables,
+    /// and the guard that drops it.
     fn fresh() -> impl Future<Output = (Pool<Self>, DropDb)> + Send;
+    /// The URL of a new, empty database, and the guard that drops it.
+    fn fresh_url() -> impl Future<Output = (String, DropDb)> + Send;
     fn insert_order(
         conn: &mut Self::Connection,
         principal: &str,
@@ -108,6 +111,19 @@ impl TestDb for sqlx::Postgres {
     const LABEL: &'static str = "postgres";
 
     async fn fresh() -> (Pool<Self>, DropDb) {
+        let (url, drop) = Self::fresh_url().await;
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(20)
+            .acquire_timeout(Duration::from_secs(20))
+            .connect(&url)
+            .await
+            .unwrap();
+        tower_idempotency::migrate(&pool).await.unwrap();
+        sqlx::raw_sql(PG_SCHEMA).execute(&pool).await.unwrap();
+        (pool, drop)
+    }
+
+    async fn fresh_url() -> (String, DropDb) {
         use sqlx::{Connection, Executor};
         let admin = pg_admin_url();
         let name = unique_name();
@@ -118,14 +134,7 @@ impl TestDb for sqlx::Postgres {
             .await
             .unwrap();
         conn.close().await.unwrap();
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(20)
-            .acquire_timeout(Duration::from_secs(20))
-            .connect(&with_db(&admin, &name))
-            .await
-            .unwrap();
-        tower_idempotency::migrate(&pool).await.unwrap();
-        sqlx::raw_sql(PG_SCHEMA).execute(&pool).await.unwrap();
+        let url = with_db(&admin, &name);
         let drop = DropDb(Some(Box::new(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -141,7 +150,7 @@ impl TestDb for sqlx::Postgres {
                 }
             });
         })));
-        (pool, drop)
+        (url, drop)
     }
 
     async fn insert_order(
@@ -228,9 +237,10 @@ impl TestDb for sqlx::Sqlite {
 
     async fn fresh() -> (Pool<Self>, DropDb) {
         use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-        let path = std::env::temp_dir().join(format!("{}.db", unique_name()));
-        let options = SqliteConnectOptions::new()
-            .filename(&path)
+        let (url, drop) = Self::fresh_url().await;
+        let options = url
+            .parse::<SqliteConnectOptions>()
+            .unwrap()
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .busy_timeout(Duration::from_millis(1000));
@@ -241,6 +251,12 @@ impl TestDb for sqlx::Sqlite {
             .unwrap();
         tower_idempotency::migrate(&pool).await.unwrap();
         sqlx::raw_sql(SQLITE_SCHEMA).execute(&pool).await.unwrap();
+        (pool, drop)
+    }
+
+    async fn fresh_url() -> (String, DropDb) {
+        let path = std::env::temp_dir().join(format!("{}.db", unique_name()));
+        let url = format!("sqlite://{}", path.display());
         let drop = DropDb(Some(Box::new(move || {
             for suffix in ["", "-wal", "-shm"] {
                 let mut p = path.clone().into_os_string();
@@ -248,7 +264,7 @@ impl TestDb for sqlx::Sqlite {
                 let _ = std::fs::remove_file(p);
             }
         })));
-        (pool, drop)
+        (url, drop)
     }
 
     async fn insert_order(

@@ -1,0 +1,472 @@
+//! End-to-end: the example order service as a real process over real HTTP,
+//! on PostgreSQL and SQLite, judged by the rows in its database.
+
+mod common;
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{DropDb, TestDb};
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+use sqlx::Pool;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// The example binary that `cargo test` builds next to this test.
+fn example_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let target = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let bin = target.join("examples").join("order_service");
+    assert!(
+        bin.exists(),
+        "{} is missing: run through cargo test",
+        bin.display()
+    );
+    bin
+}
+
+/// One running service on its own database.
+struct Service<DB: TestDb> {
+    url: String,
+    addr: String,
+    child: Child,
+    pool: Pool<DB>,
+    _drop: DropDb,
+}
+
+impl<DB: TestDb> Service<DB> {
+    async fn start(delay_ms: u64) -> Self {
+        let (url, drop) = DB::fresh_url().await;
+        let (child, addr) = spawn(&url, delay_ms).await;
+        let pool = sqlx::pool::PoolOptions::<DB>::new()
+            .max_connections(2)
+            .connect(&url)
+            .await
+            .unwrap();
+        Self {
+            url,
+            addr,
+            child,
+            pool,
+            _drop: drop,
+        }
+    }
+
+    /// SIGKILL, then start again on the same database.
+    async fn kill_and_restart(&mut self) {
+        self.child.start_kill().unwrap();
+        self.child.wait().await.unwrap();
+        let (child, addr) = spawn(&self.url, 0).await;
+        self.child = child;
+        self.addr = addr;
+    }
+
+    async fn count(&self, sql: &'static str) -> i64 {
+        DB::count(&self.pool, sql).await
+    }
+
+    async fn orders(&self) -> i64 {
+        self.count("SELECT COUNT(*) FROM orders").await
+    }
+
+    async fn ledger(&self) -> i64 {
+        self.count("SELECT COUNT(*) FROM idempotency_records").await
+    }
+
+    async fn stock(&self, sku: &str) -> i64 {
+        DB::stock(&self.pool, sku).await
+    }
+
+    async fn put_stock(&self, sku: &str, qty: i64) {
+        let a = self
+            .call(
+                Method::PUT,
+                &format!("/stock/{sku}"),
+                None,
+                None,
+                &format!(r#"{{"qty":{qty}}}"#),
+            )
+            .await;
+        assert_eq!(a.status, StatusCode::OK, "{a:?}");
+    }
+
+    async fn order(&self, principal: &str, key: &str, body: &str) -> Answer {
+        self.call(Method::POST, "/orders", Some(principal), Some(key), body)
+            .await
+    }
+
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        principal: Option<&str>,
+        key: Option<&str>,
+        body: &str,
+    ) -> Answer {
+        http_call(&self.addr, method, path, principal, key, body).await
+    }
+}
+
+async fn spawn(url: &str, delay_ms: u64) -> (Child, String) {
+    let mut child = Command::new(example_binary())
+        .args([
+            "--addr",
+            "127.0.0.1:0",
+            "--handler-delay-ms",
+            &delay_ms.to_string(),
+        ])
+        .env("DATABASE_URL", url)
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("the service starts")
+        .unwrap()
+        .expect("a start-up line");
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected start-up line {line:?}"))
+        .to_string();
+    (child, addr)
+}
+
+#[derive(Debug, Clone)]
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+
+    fn problem_type(&self) -> String {
+        self.json()["type"].as_str().unwrap_or_default().to_string()
+    }
+
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+}
+
+async fn http_call(
+    addr: &str,
+    method: Method,
+    path: &str,
+    principal: Option<&str>,
+    key: Option<&str>,
+    body: &str,
+) -> Answer {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr)
+        .header("content-type", "application/json");
+    if let Some(p) = principal {
+        req = req.header("authorization", format!("Bearer {p}"));
+    }
+    if let Some(k) = key {
+        req = req.header("idempotency-key", k);
+    }
+    let res = sender
+        .send_request(req.body(Full::new(Bytes::from(body.to_string()))).unwrap())
+        .await
+        .unwrap();
+    let (parts, body) = res.into_parts();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body: body.collect().await.unwrap().to_bytes(),
+    }
+}
+
+const ORDER: &str = r#"{"currency":"KRW","items":[{"sku":"A-10","qty":2}],"amount":12000}"#;
+const KEY: &str = "\"checkout-20260914-001\"";
+
+macro_rules! e2e {
+    ($($name:ident),* $(,)?) => {
+        mod postgres { $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name::<sqlx::Postgres>().await }
+        )* }
+        mod sqlite { $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name::<sqlx::Sqlite>().await }
+        )* }
+    };
+}
+
+e2e!(
+    create_then_retry_is_one_order,
+    concurrent_duplicates_make_one_order_and_one_decrement,
+    changed_amount_is_refused,
+    out_of_stock_on_second_item_leaves_nothing_and_replays,
+    sigkill_mid_transaction_leaves_nothing_and_retry_runs_once,
+    other_principal_is_independent,
+    invalid_and_unauthenticated_requests_store_nothing,
+    expired_key_is_refused_without_a_new_order,
+    orders_are_visible_to_their_owner_only,
+);
+
+/// Acceptance 1 and 2.
+async fn create_then_retry_is_one_order<DB: TestDb>() {
+    let s = Service::<DB>::start(0).await;
+    s.put_stock("A-10", 5).await;
+    let first = s.order("user-42", KEY, ORDER).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let id = first.json()["orderId"].as_str().unwrap().to_string();
+    assert_eq!(first.headers["location"], format!("/orders/{id}"));
+    assert_eq!(s.orders().await, 1);
+    assert_eq!(
+        s.count("SELECT COUNT(*) FROM idempotency_records WHERE status = 'SUCCEEDED'")
+            .await,
+        1
+    );
+    let retry = s.order("user-42", KEY, ORDER).await;
+    // Other key order, and the optional memo at its default: the same request.
+    let retry2 = s
+        .order(
+            "user-42",
+            KEY,
+            r#"{"amount":12000,"memo":"","items":[{"qty":2,"sku":"A-10"}],"currency":"KRW"}"#,
+        )
+        .await;
+    for r in [&retry, &retry2] {
+        assert_eq!(r.status, StatusCode::CREATED);
+        assert_eq!(r.body, first.body, "byte-identical replay");
+        assert!(r.replayed());
+    }
+    assert_eq!(s.orders().await, 1);
+    assert_eq!(s.count("SELECT COUNT(*) FROM order_items").await, 1);
+    assert_eq!(s.stock("A-10").await, 3);
+    assert_eq!(s.ledger().await, 1);
+}
+
+/// Acceptance 3 over real connections.
+async fn concurrent_duplicates_make_one_order_and_one_decrement<DB: TestDb>() {
+    let s = Service::<DB>::start(200).await;
+    s.put_stock("A-10", 100).await;
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let addr = s.addr.clone();
+            tokio::spawn(async move {
+                http_call(
+                    &addr,
+                    Method::POST,
+                    "/orders",
+                    Some("user-42"),
+                    Some(KEY),
+                    ORDER,
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut bodies = Vec::new();
+    for t in tasks {
+        let a = t.await.unwrap();
+        match a.status {
+            StatusCode::CREATED => bodies.push(a.body),
+            StatusCode::CONFLICT => assert!(a.problem_type().ends_with("#in-flight"), "{a:?}"),
+            other => panic!("unexpected {other}: {a:?}"),
+        }
+    }
+    assert!(!bodies.is_empty());
+    assert!(
+        bodies.iter().all(|b| *b == bodies[0]),
+        "every 201 carries the same order"
+    );
+    assert_eq!(s.orders().await, 1);
+    assert_eq!(s.stock("A-10").await, 98, "one decrement");
+    assert_eq!(s.ledger().await, 1);
+}
+
+/// Acceptance 4.
+async fn changed_amount_is_refused<DB: TestDb>() {
+    let s = Service::<DB>::start(0).await;
+    s.put_stock("A-10", 5).await;
+    s.order("user-42", KEY, ORDER).await;
+    let changed = s
+        .order("user-42", KEY, &ORDER.replace("12000", "15000"))
+        .await;
+    assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(changed.problem_type().ends_with("#key-reused"));
+    let other_item = s
+        .order("user-42", KEY, &ORDER.replace("A-10", "B-20"))
+        .await;
+    assert_eq!(other_item.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(s.orders().await, 1);
+    assert_eq!(s.stock("A-10").await, 3);
+}
+
+/// Acceptance 5, first half: a final business error after partial writes.
+async fn out_of_stock_on_second_item_leaves_nothing_and_replays<DB: TestDb>() {
+    let s = Service::<DB>::start(0).await;
+    s.put_stock("A-10", 5).await;
+    s.put_stock("B-20", 1).await;
+    let body = r#"{"currency":"KRW","items":[{"sku":"A-10","qty":2},{"sku":"B-20","qty":2}],"amount":30000}"#;
+    let first = s.order("user-42", KEY, body).await;
+    assert_eq!(first.status, StatusCode::CONFLICT);
+    assert!(first.problem_type().ends_with("out-of-stock"), "{first:?}");
+    assert_eq!(
+        s.stock("A-10").await,
+        5,
+        "the first item's decrement was undone"
+    );
+    assert_eq!(s.orders().await, 0);
+    assert_eq!(s.count("SELECT COUNT(*) FROM order_items").await, 0);
+    assert_eq!(
+        s.count("SELECT COUNT(*) FROM idempotency_records WHERE status = 'FAILED_FINAL'")
+            .await,
+        1
+    );
+    s.put_stock("B-20", 10).await;
+    let retry = s.order("user-42", KEY, body).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(retry.body, first.body);
+    assert!(retry.replayed());
+    assert_eq!(s.orders().await, 0);
+    assert_eq!(s.stock("B-20").await, 10);
+}
+
+/// Acceptance 5, second half, and the failure-point table's "crash after the
+/// order insert": the process dies before commit; nothing survives; the
+/// retry after restart executes exactly once.
+async fn sigkill_mid_transaction_leaves_nothing_and_retry_runs_once<DB: TestDb>() {
+    let mut s = Service::<DB>::start(3000).await;
+    s.put_stock("A-10", 5).await;
+    let addr = s.addr.clone();
+    let inflight = tokio::spawn(async move {
+        let stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let req = Request::post("/orders")
+            .header("host", addr.as_str())
+            .header("content-type", "application/json")
+            .header("authorization", "Bearer user-42")
+            .header("idempotency-key", KEY)
+            .body(Full::new(Bytes::from(ORDER)))
+            .unwrap();
+        sender.send_request(req).await
+    });
+    // Wait until the handler has written (stock taken inside the open transaction).
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    s.kill_and_restart().await;
+    assert!(
+        inflight.await.unwrap().is_err(),
+        "the client saw the connection die"
+    );
+    assert_eq!(s.orders().await, 0);
+    assert_eq!(s.ledger().await, 0);
+    assert_eq!(s.stock("A-10").await, 5);
+    let retry = s.order("user-42", KEY, ORDER).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(!retry.replayed());
+    let again = s.order("user-42", KEY, ORDER).await;
+    assert!(again.replayed());
+    assert_eq!(s.orders().await, 1);
+    assert_eq!(s.stock("A-10").await, 3);
+}
+
+async fn other_principal_is_independent<DB: TestDb>() {
+    let s = Service::<DB>::start(0).await;
+    s.put_stock("A-10", 5).await;
+    let alice = s.order("user-42", KEY, ORDER).await;
+    let bob = s.order("user-7", KEY, ORDER).await;
+    assert_eq!(bob.status, StatusCode::CREATED);
+    assert!(!bob.replayed());
+    assert_ne!(alice.json()["orderId"], bob.json()["orderId"]);
+    assert_eq!(s.orders().await, 2);
+    assert_eq!(s.stock("A-10").await, 1);
+}
+
+async fn invalid_and_unauthenticated_requests_store_nothing<DB: TestDb>() {
+    let s = Service::<DB>::start(0).await;
+    s.put_stock("A-10", 5).await;
+    let cases = [
+        r#"{"currency":"KRW","items":[],"amount":12000}"#,
+        r#"{"currency":"KRW","items":[{"sku":"A-10","qty":0}],"amount":12000}"#,
+        r#"{"currency":"KRW","items":[{"sku":"A-10","qty":1}],"amount":-1}"#,
+        r#"{"currency":"krw","items":[{"sku":"A-10","qty":1}],"amount":1}"#,
+        r#"{"currency":"KRW","items":[{"sku":"A-10","qty":1}]"#,
+    ];
+    for body in cases {
+        let a = s.order("user-42", KEY, body).await;
+        assert_eq!(a.status, StatusCode::BAD_REQUEST, "{body}: {a:?}");
+        assert_eq!(a.headers["content-type"], "application/problem+json");
+    }
+    let no_auth = s
+        .call(Method::POST, "/orders", None, Some(KEY), ORDER)
+        .await;
+    assert_eq!(no_auth.status, StatusCode::UNAUTHORIZED);
+    let empty_auth = s
+        .call(Method::POST, "/orders", Some(""), Some(KEY), ORDER)
+        .await;
+    assert_eq!(empty_auth.status, StatusCode::UNAUTHORIZED);
+    let no_key = s
+        .call(Method::POST, "/orders", Some("user-42"), None, ORDER)
+        .await;
+    assert_eq!(no_key.status, StatusCode::BAD_REQUEST);
+    assert_eq!(s.orders().await, 0);
+    assert_eq!(s.ledger().await, 0);
+    assert_eq!(s.stock("A-10").await, 5);
+    // The key was never used: a corrected request runs.
+    assert_eq!(
+        s.order("user-42", KEY, ORDER).await.status,
+        StatusCode::CREATED
+    );
+}
+
+/// Acceptance 7.
+async fn expired_key_is_refused_without_a_new_order<DB: TestDb>() {
+    let s = Service::<DB>::start(0).await;
+    s.put_stock("A-10", 5).await;
+    let first = s.order("user-42", KEY, ORDER).await;
+    let id = first.json()["orderId"].as_str().unwrap().to_string();
+    DB::exec(&s.pool, "UPDATE idempotency_records SET expires_at = 1").await;
+    let late = s.order("user-42", KEY, ORDER).await;
+    assert_eq!(late.status, StatusCode::GONE);
+    assert_eq!(late.json()["resource_id"], id.as_str());
+    assert_eq!(s.orders().await, 1);
+    assert_eq!(s.stock("A-10").await, 3);
+}
+
+async fn orders_are_visible_to_their_owner_only<DB: TestDb>() {
+    let s = Service::<DB>::start(0).await;
+    s.put_stock("A-10", 5).await;
+    let first = s.order("user-42", KEY, ORDER).await;
+    let location = first.headers["location"].to_str().unwrap().to_string();
+    let mine = s
+        .call(Method::GET, &location, Some("user-42"), None, "")
+        .await;
+    assert_eq!(mine.status, StatusCode::OK);
+    assert_eq!(mine.json()["orderId"], first.json()["orderId"]);
+    assert_eq!(mine.json()["items"][0]["sku"], "A-10");
+    let theirs = s
+        .call(Method::GET, &location, Some("user-7"), None, "")
+        .await;
+    assert_eq!(theirs.status, StatusCode::NOT_FOUND);
+    let health = s.call(Method::GET, "/health", None, None, "").await;
+    assert_eq!(health.status, StatusCode::OK);
+}
