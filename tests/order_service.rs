@@ -212,6 +212,11 @@ macro_rules! e2e {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() { super::$name::<sqlx::Sqlite>().await }
         )* }
+        #[cfg(feature = "mysql")]
+        mod mysql { $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name::<sqlx::MySql>().await }
+        )* }
     };
 }
 
@@ -293,7 +298,7 @@ async fn concurrent_duplicates_make_one_order_and_one_decrement<DB: TestDb>() {
     assert!(!bodies.is_empty());
     assert!(
         bodies.iter().all(|b| *b == bodies[0]),
-        "every 201 carries the same order"
+        "every 201 carries the same order: {bodies:?}"
     );
     assert_eq!(s.orders().await, 1);
     assert_eq!(s.stock("A-10").await, 98, "one decrement");

@@ -11,7 +11,7 @@
 //! |---|---|---|
 //! | PostgreSQL | `INSERT … ON CONFLICT DO NOTHING` in a `READ COMMITTED` transaction | the insert blocks on the first claimer's uncommitted row, bounded by `SET LOCAL lock_timeout` |
 //! | SQLite | `INSERT … ON CONFLICT DO NOTHING` in a `BEGIN IMMEDIATE` transaction | writers are serialized; the wait is the connection's `busy_timeout` (`SqliteConnectOptions::busy_timeout`, 5 s by default) |
-//! | MySQL/MariaDB | `INSERT … ON DUPLICATE KEY UPDATE` a no-op, judged by affected rows, in a `READ COMMITTED` transaction | the insert blocks on the uncommitted row, bounded by `innodb_lock_wait_timeout` (whole seconds, set per session) |
+//! | MySQL/MariaDB | a plain `INSERT`, a duplicate key reported by the driver's unique-violation signal, in a `READ COMMITTED` transaction | the insert blocks on the uncommitted row, bounded by `innodb_lock_wait_timeout` (whole seconds, set per session) |
 //!
 //! Migrations: [`migrate`] creates the table and its index with idempotent
 //! DDL (`CREATE … IF NOT EXISTS`), so it is safe on every start and never
@@ -261,8 +261,18 @@ macro_rules! shared_statements {
                 .bind(claim.created_at)
                 .bind(claim.expires_at)
                 .execute(&mut *conn)
-                .await?;
-            Ok(done.rows_affected() == 1)
+                .await;
+            match done {
+                Ok(done) => Ok(done.rows_affected() == 1),
+                // The driver's own signal, never a parsed message.
+                Err(e)
+                    if e.as_database_error()
+                        .is_some_and(|d| d.is_unique_violation()) =>
+                {
+                    Ok(false)
+                }
+                Err(e) => Err(e),
+            }
         }
 
         async fn rollback_to_savepoint(

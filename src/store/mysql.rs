@@ -41,12 +41,14 @@ impl Backend for MySql {
 
     shared_statements!(
         MySql,
-        // A duplicate key leaves the row as it is and reports 0 affected rows;
-        // any other error is still an error (unlike INSERT IGNORE).
+        // A plain insert: a duplicate key is the driver's unique-violation
+        // error (which ends the statement, not the transaction). Not
+        // `ON DUPLICATE KEY UPDATE`, whose affected-row count is 1 for a
+        // no-op update when the client asks for found rows, as sqlx does;
+        // not `INSERT IGNORE`, which also swallows unrelated errors.
         insert = "INSERT INTO idempotency_records \
                   (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
-                  VALUES (?, ?, ?, ?, 'PROCESSING', ?, ?) \
-                  ON DUPLICATE KEY UPDATE idem_key = idem_key",
+                  VALUES (?, ?, ?, ?, 'PROCESSING', ?, ?)",
         complete = "UPDATE idempotency_records SET status = ?, response_status = ?, \
                     response_headers = ?, response_body = ?, resource_id = ? \
                     WHERE principal_id = ? AND operation = ? AND idem_key = ?",

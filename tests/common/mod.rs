@@ -337,6 +337,138 @@ impl TestDb for sqlx::Sqlite {
     }
 }
 
+#[cfg(feature = "mysql")]
+const MYSQL_SCHEMA: &str = "
+CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, principal VARCHAR(255) NOT NULL, amount BIGINT NOT NULL) ENGINE = InnoDB;
+CREATE TABLE stock (sku VARCHAR(64) PRIMARY KEY, qty BIGINT NOT NULL) ENGINE = InnoDB;";
+
+#[cfg(feature = "mysql")]
+impl TestDb for sqlx::MySql {
+    const LABEL: &'static str = "mysql";
+
+    async fn fresh() -> (Pool<Self>, DropDb) {
+        let (url, drop) = Self::fresh_url().await;
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(20)
+            .acquire_timeout(Duration::from_secs(20))
+            .connect(&url)
+            .await
+            .unwrap();
+        tower_idempotency::migrate(&pool).await.unwrap();
+        sqlx::raw_sql(MYSQL_SCHEMA).execute(&pool).await.unwrap();
+        (pool, drop)
+    }
+
+    async fn fresh_url() -> (String, DropDb) {
+        use sqlx::{Connection, Executor};
+        let admin = mysql_admin_url();
+        let name = unique_name();
+        let mut conn = sqlx::MySqlConnection::connect(&admin)
+            .await
+            .expect("MariaDB is not reachable: start it or set MYSQL_URL");
+        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .unwrap();
+        conn.close().await.unwrap();
+        let url = with_db(&admin, &name);
+        let drop = DropDb(Some(Box::new(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                if let Ok(mut c) = sqlx::MySqlConnection::connect(&admin).await {
+                    let _ = c
+                        .execute(sqlx::AssertSqlSafe(format!(
+                            "DROP DATABASE IF EXISTS {name}"
+                        )))
+                        .await;
+                }
+            });
+        })));
+        (url, drop)
+    }
+
+    async fn insert_order(
+        conn: &mut sqlx::MySqlConnection,
+        principal: &str,
+        amount: i64,
+    ) -> Result<i64, sqlx::Error> {
+        let done = sqlx::query("INSERT INTO orders (principal, amount) VALUES (?, ?)")
+            .bind(principal)
+            .bind(amount)
+            .execute(conn)
+            .await?;
+        Ok(done.last_insert_id() as i64)
+    }
+
+    async fn take_stock(
+        conn: &mut sqlx::MySqlConnection,
+        sku: &str,
+        qty: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let done = sqlx::query("UPDATE stock SET qty = qty - ? WHERE sku = ? AND qty >= ?")
+            .bind(qty)
+            .bind(sku)
+            .bind(qty)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn set_stock(pool: &Pool<Self>, sku: &str, qty: i64) {
+        sqlx::query(
+            "INSERT INTO stock (sku, qty) VALUES (?, ?) ON DUPLICATE KEY UPDATE qty = VALUES(qty)",
+        )
+        .bind(sku)
+        .bind(qty)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    async fn stock(pool: &Pool<Self>, sku: &str) -> i64 {
+        sqlx::query_scalar("SELECT qty FROM stock WHERE sku = ?")
+            .bind(sku)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    async fn count(pool: &Pool<Self>, sql: &'static str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+    }
+
+    async fn exec(pool: &Pool<Self>, sql: &'static str) {
+        sqlx::raw_sql(sql).execute(pool).await.unwrap();
+    }
+
+    async fn hold_claim(
+        pool: &Pool<Self>,
+        principal: &str,
+        operation: &str,
+        key: &str,
+    ) -> Transaction<'static, Self> {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) VALUES (?, ?, ?, x'00', 'PROCESSING', 0, 9000000000000)")
+            .bind(principal).bind(operation).bind(key)
+            .execute(&mut *tx).await.unwrap();
+        tx
+    }
+
+    async fn kill_own_connection(pool: &Pool<Self>, conn: &mut sqlx::MySqlConnection) -> bool {
+        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL {id}")))
+            .execute(pool)
+            .await
+            .unwrap();
+        true
+    }
+}
+
 /// One test's world: a fresh database, an execution counter, the app.
 pub struct Harness<DB: TestDb> {
     pub pool: Pool<DB>,
@@ -620,6 +752,15 @@ macro_rules! backend_tests {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $name() {
                     super::$name(super::common::Harness::<sqlx::Sqlite>::new().await).await;
+                }
+            )*
+        }
+        #[cfg(feature = "mysql")]
+        mod mysql {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $name() {
+                    super::$name(super::common::Harness::<sqlx::MySql>::new().await).await;
                 }
             )*
         }
