@@ -148,6 +148,8 @@ mod replay;
 mod scope;
 mod service;
 pub mod store;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 mod tx;
 
 pub use body::IdempotencyBody;

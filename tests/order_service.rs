@@ -1,13 +1,10 @@
 //! End-to-end: the example order service as a real process over real HTTP,
 //! on PostgreSQL and SQLite, judged by the rows in its database.
 
-mod common;
-
 use std::process::Stdio;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{DropDb, TestDb};
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
@@ -15,6 +12,7 @@ use serde_json::Value;
 use sqlx::Pool;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
+use tower_idempotency::testkit::{Cleanup, ConformanceDb as TestDb};
 
 /// The example binary that `cargo test` builds next to this test.
 fn example_binary() -> std::path::PathBuf {
@@ -35,7 +33,7 @@ struct Service<DB: TestDb> {
     addr: String,
     child: Child,
     pool: Pool<DB>,
-    _drop: DropDb,
+    _drop: Cleanup,
 }
 
 impl<DB: TestDb> Service<DB> {

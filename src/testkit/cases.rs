@@ -1,46 +1,18 @@
-//! The decision table of `../shared/CONTRACT.md` and the seed's acceptance
-//! list, on real databases, judged by the rows committed.
-
-mod common;
+//! The conformance cases, each generic over the backend. See the
+//! [module docs](super) for how to run them.
 
 use std::time::{Duration, Instant};
 
-use common::{Answer, Harness, TestDb, order, send};
 use http::StatusCode;
-use tower_idempotency::IdempotencyLayer;
+
+use super::{Answer, ConformanceDb, Harness, order, send};
+use crate::IdempotencyLayer;
 
 const BODY: &str = r#"{"amount":12000,"items":[]}"#;
 const ALICE: Option<&str> = Some("user-42");
 const KEY: Option<&str> = Some("\"checkout-20260914-001\"");
 
-backend_tests!(
-    first_request_commits_order_and_succeeded_row,
-    retry_replays_byte_for_byte_without_executing,
-    quoted_and_bare_key_are_the_same_key,
-    missing_key_is_refused_and_nothing_stored,
-    malformed_keys_are_refused_and_nothing_stored,
-    missing_principal_is_refused_and_nothing_stored,
-    oversized_body_is_refused_before_buffering,
-    invalid_bodies_are_refused_and_nothing_stored,
-    changed_payload_is_refused_with_422,
-    mismatch_status_can_be_409,
-    handler_rejection_rolls_back_and_key_stays_usable,
-    final_business_error_records_failed_final_without_partial_writes,
-    server_error_rolls_back_and_retry_runs_afresh,
-    handler_can_mark_a_response_final_or_retryable,
-    concurrent_duplicate_waits_then_replays,
-    stuck_claim_is_bounded_then_in_flight_409,
-    expired_record_is_refused_with_410,
-    fifty_concurrent_duplicates_execute_once,
-    other_principal_same_key_is_independent,
-    dropped_future_commits_nothing,
-    panicking_handler_commits_nothing,
-    held_transaction_handle_commits_nothing,
-    lost_connection_commits_nothing_and_retry_runs_once,
-    unguarded_methods_pass_through,
-);
-
-async fn first_request_commits_order_and_succeeded_row<DB: TestDb>(h: Harness<DB>) {
+pub async fn first_request_commits_order_and_succeeded_row<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let a = send(&app, order(ALICE, KEY, BODY)).await;
     assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
@@ -54,7 +26,7 @@ async fn first_request_commits_order_and_succeeded_row<DB: TestDb>(h: Harness<DB
     assert_eq!(resource, "1");
 }
 
-async fn retry_replays_byte_for_byte_without_executing<DB: TestDb>(h: Harness<DB>) {
+pub async fn retry_replays_byte_for_byte_without_executing<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let first = send(&app, order(ALICE, KEY, BODY)).await;
     // Same meaning, other whitespace and key order: same fingerprint.
@@ -80,7 +52,7 @@ async fn retry_replays_byte_for_byte_without_executing<DB: TestDb>(h: Harness<DB
     assert_eq!(h.ledger().await, 1);
 }
 
-async fn quoted_and_bare_key_are_the_same_key<DB: TestDb>(h: Harness<DB>) {
+pub async fn quoted_and_bare_key_are_the_same_key<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let first = send(&app, order(ALICE, Some("\"k-1\""), BODY)).await;
     let bare = send(&app, order(ALICE, Some("k-1"), BODY)).await;
@@ -88,14 +60,14 @@ async fn quoted_and_bare_key_are_the_same_key<DB: TestDb>(h: Harness<DB>) {
     assert!(bare.replayed());
     assert_eq!(h.orders().await, 1);
     // Strict mode refuses the bare form.
-    let strict = h.app_with(h.layer().with_key_mode(tower_idempotency::KeyMode::Strict));
+    let strict = h.app_with(h.layer().with_key_mode(crate::KeyMode::Strict));
     let refused = send(&strict, order(ALICE, Some("k-2"), BODY)).await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     assert_eq!(refused.problem(), "malformed-key");
     assert_eq!(h.orders().await, 1);
 }
 
-async fn missing_key_is_refused_and_nothing_stored<DB: TestDb>(h: Harness<DB>) {
+pub async fn missing_key_is_refused_and_nothing_stored<DB: ConformanceDb>(h: Harness<DB>) {
     let a = send(&h.app(), order(ALICE, None, BODY)).await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
     assert_eq!(a.problem(), "missing-key");
@@ -109,7 +81,7 @@ async fn missing_key_is_refused_and_nothing_stored<DB: TestDb>(h: Harness<DB>) {
     assert_eq!(h.ledger().await, 0);
 }
 
-async fn malformed_keys_are_refused_and_nothing_stored<DB: TestDb>(h: Harness<DB>) {
+pub async fn malformed_keys_are_refused_and_nothing_stored<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let long = "a".repeat(256);
     let long_quoted = format!("\"{long}\"");
@@ -153,7 +125,7 @@ async fn malformed_keys_are_refused_and_nothing_stored<DB: TestDb>(h: Harness<DB
     assert_eq!(h.ledger().await, 1);
 }
 
-async fn missing_principal_is_refused_and_nothing_stored<DB: TestDb>(h: Harness<DB>) {
+pub async fn missing_principal_is_refused_and_nothing_stored<DB: ConformanceDb>(h: Harness<DB>) {
     let a = send(&h.app(), order(None, KEY, BODY)).await;
     assert_eq!(a.status, StatusCode::UNAUTHORIZED);
     assert_eq!(a.problem(), "missing-principal");
@@ -168,7 +140,7 @@ async fn missing_principal_is_refused_and_nothing_stored<DB: TestDb>(h: Harness<
     h.assert_nothing_stored().await;
 }
 
-async fn oversized_body_is_refused_before_buffering<DB: TestDb>(h: Harness<DB>) {
+pub async fn oversized_body_is_refused_before_buffering<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app_with(h.layer().with_max_request_body(64).unwrap());
     let big = format!(r#"{{"amount":1,"pad":"{}"}}"#, "x".repeat(100));
     // Declared length over the limit.
@@ -206,7 +178,7 @@ fn futures_stream(
     Endless(bytes::Bytes::from(vec![b' '; chunk]))
 }
 
-async fn invalid_bodies_are_refused_and_nothing_stored<DB: TestDb>(h: Harness<DB>) {
+pub async fn invalid_bodies_are_refused_and_nothing_stored<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let a = send(&app, order(ALICE, KEY, r#"{"amount":"#)).await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
@@ -220,7 +192,7 @@ async fn invalid_bodies_are_refused_and_nothing_stored<DB: TestDb>(h: Harness<DB
     h.assert_nothing_stored().await;
 }
 
-async fn changed_payload_is_refused_with_422<DB: TestDb>(h: Harness<DB>) {
+pub async fn changed_payload_is_refused_with_422<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let first = send(&app, order(ALICE, KEY, BODY)).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -233,7 +205,7 @@ async fn changed_payload_is_refused_with_422<DB: TestDb>(h: Harness<DB>) {
     assert_eq!(h.ledger().await, 1);
 }
 
-async fn mismatch_status_can_be_409<DB: TestDb>(h: Harness<DB>) {
+pub async fn mismatch_status_can_be_409<DB: ConformanceDb>(h: Harness<DB>) {
     assert!(
         h.layer()
             .with_mismatch_status(StatusCode::BAD_REQUEST)
@@ -251,7 +223,7 @@ async fn mismatch_status_can_be_409<DB: TestDb>(h: Harness<DB>) {
     assert_eq!(h.orders().await, 1);
 }
 
-async fn handler_rejection_rolls_back_and_key_stays_usable<DB: TestDb>(h: Harness<DB>) {
+pub async fn handler_rejection_rolls_back_and_key_stays_usable<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     // The handler writes an order, then rejects the request with 422.
     let bad = send(&app, order(ALICE, KEY, r#"{"amount":-1}"#)).await;
@@ -271,7 +243,7 @@ async fn handler_rejection_rolls_back_and_key_stays_usable<DB: TestDb>(h: Harnes
     assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
 }
 
-async fn final_business_error_records_failed_final_without_partial_writes<DB: TestDb>(
+pub async fn final_business_error_records_failed_final_without_partial_writes<DB: ConformanceDb>(
     h: Harness<DB>,
 ) {
     DB::set_stock(&h.pool, "A-10", 5).await;
@@ -305,7 +277,7 @@ async fn final_business_error_records_failed_final_without_partial_writes<DB: Te
     assert_eq!(DB::stock(&h.pool, "B-20").await, 10);
 }
 
-async fn server_error_rolls_back_and_retry_runs_afresh<DB: TestDb>(h: Harness<DB>) {
+pub async fn server_error_rolls_back_and_retry_runs_afresh<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let failed = send(
         &app,
@@ -328,7 +300,7 @@ async fn server_error_rolls_back_and_retry_runs_afresh<DB: TestDb>(h: Harness<DB
     assert_eq!(h.orders().await, 1);
 }
 
-async fn handler_can_mark_a_response_final_or_retryable<DB: TestDb>(h: Harness<DB>) {
+pub async fn handler_can_mark_a_response_final_or_retryable<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     // A 502 marked final: recorded, business writes undone, replayed.
     let body = r#"{"amount":1,"mode":"mark_final"}"#;
@@ -350,7 +322,7 @@ async fn handler_can_mark_a_response_final_or_retryable<DB: TestDb>(h: Harness<D
     assert_eq!(h.orders().await, 0);
 }
 
-async fn concurrent_duplicate_waits_then_replays<DB: TestDb>(h: Harness<DB>) {
+pub async fn concurrent_duplicate_waits_then_replays<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let body = r#"{"amount":12000,"sleep_ms":300}"#;
     let first = tokio::spawn({
@@ -371,7 +343,7 @@ async fn concurrent_duplicate_waits_then_replays<DB: TestDb>(h: Harness<DB>) {
 /// Acceptance 6: the claim conflicts with a row nobody can read yet (an
 /// uncommitted claim of a stuck request). Retries stay within the attempt
 /// and deadline bounds, then the answer is "in flight", and nothing runs.
-async fn stuck_claim_is_bounded_then_in_flight_409<DB: TestDb>(h: Harness<DB>) {
+pub async fn stuck_claim_is_bounded_then_in_flight_409<DB: ConformanceDb>(h: Harness<DB>) {
     let layer = h
         .layer()
         .with_in_flight_wait(Duration::from_millis(200))
@@ -388,8 +360,8 @@ async fn stuck_claim_is_bounded_then_in_flight_409<DB: TestDb>(h: Harness<DB>) {
     assert!(response.0.headers.contains_key("retry-after"));
     assert_eq!(
         response.1,
-        Some(tower_idempotency::IdempotencyOutcome::Refused {
-            problem: tower_idempotency::ProblemKind::InFlight,
+        Some(crate::IdempotencyOutcome::Refused {
+            problem: crate::ProblemKind::InFlight,
             attempts: 3
         })
     );
@@ -410,21 +382,18 @@ trait OneshotOutcome {
     async fn oneshot_outcome(
         self,
         req: http::Request<axum::body::Body>,
-    ) -> (Answer, Option<tower_idempotency::IdempotencyOutcome>);
+    ) -> (Answer, Option<crate::IdempotencyOutcome>);
 }
 
 impl OneshotOutcome for axum::Router {
     async fn oneshot_outcome(
         self,
         req: http::Request<axum::body::Body>,
-    ) -> (Answer, Option<tower_idempotency::IdempotencyOutcome>) {
+    ) -> (Answer, Option<crate::IdempotencyOutcome>) {
         use http_body_util::BodyExt;
         use tower::ServiceExt;
         let res = self.oneshot(req).await.unwrap();
-        let outcome = res
-            .extensions()
-            .get::<tower_idempotency::IdempotencyOutcome>()
-            .copied();
+        let outcome = res.extensions().get::<crate::IdempotencyOutcome>().copied();
         let (parts, body) = res.into_parts();
         let body = body.collect().await.unwrap().to_bytes();
         (
@@ -439,7 +408,7 @@ impl OneshotOutcome for axum::Router {
 }
 
 /// Acceptance 7: a late retry after retention is refused, never re-executed.
-async fn expired_record_is_refused_with_410<DB: TestDb>(h: Harness<DB>) {
+pub async fn expired_record_is_refused_with_410<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let first = send(&app, order(ALICE, KEY, BODY)).await;
     let id = first.json()["orderId"].as_i64().unwrap().to_string();
@@ -458,7 +427,7 @@ async fn expired_record_is_refused_with_410<DB: TestDb>(h: Harness<DB>) {
 }
 
 /// Acceptance 3 at scale: 50 callers, one key, one execution.
-async fn fifty_concurrent_duplicates_execute_once<DB: TestDb>(h: Harness<DB>) {
+pub async fn fifty_concurrent_duplicates_execute_once<DB: ConformanceDb>(h: Harness<DB>) {
     DB::set_stock(&h.pool, "A-10", 100).await;
     let app = h.app();
     let body = r#"{"amount":12000,"items":[{"sku":"A-10","qty":1}],"sleep_ms":50}"#;
@@ -492,7 +461,7 @@ async fn fifty_concurrent_duplicates_execute_once<DB: TestDb>(h: Harness<DB>) {
     }
 }
 
-async fn other_principal_same_key_is_independent<DB: TestDb>(h: Harness<DB>) {
+pub async fn other_principal_same_key_is_independent<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let alice = send(&app, order(ALICE, KEY, BODY)).await;
     let bob = send(&app, order(Some("user-7"), KEY, BODY)).await;
@@ -512,7 +481,7 @@ async fn other_principal_same_key_is_independent<DB: TestDb>(h: Harness<DB>) {
     assert_eq!(h.ledger().await, 3);
 }
 
-async fn dropped_future_commits_nothing<DB: TestDb>(h: Harness<DB>) {
+pub async fn dropped_future_commits_nothing<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let slow = r#"{"amount":12000,"sleep_ms":2000}"#;
     let cut = tokio::time::timeout(
@@ -531,7 +500,7 @@ async fn dropped_future_commits_nothing<DB: TestDb>(h: Harness<DB>) {
     assert_eq!(h.ledger().await, 1);
 }
 
-async fn panicking_handler_commits_nothing<DB: TestDb>(h: Harness<DB>) {
+pub async fn panicking_handler_commits_nothing<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let panicked = tokio::spawn({
         let app = app.clone();
@@ -549,7 +518,7 @@ async fn panicking_handler_commits_nothing<DB: TestDb>(h: Harness<DB>) {
     assert_eq!(h.orders().await, 1);
 }
 
-async fn held_transaction_handle_commits_nothing<DB: TestDb>(h: Harness<DB>) {
+pub async fn held_transaction_handle_commits_nothing<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let a = send(&app, order(ALICE, KEY, r#"{"amount":1,"mode":"hold"}"#)).await;
     assert_eq!(a.status, StatusCode::INTERNAL_SERVER_ERROR);
@@ -560,7 +529,9 @@ async fn held_transaction_handle_commits_nothing<DB: TestDb>(h: Harness<DB>) {
 
 /// The connection dies under the handler's transaction: nothing commits, the
 /// client gets a retryable 503, and the retry runs exactly once.
-async fn lost_connection_commits_nothing_and_retry_runs_once<DB: TestDb>(h: Harness<DB>) {
+pub async fn lost_connection_commits_nothing_and_retry_runs_once<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
     if DB::LABEL == "sqlite" {
         // An embedded database has no connection to lose.
         return;
@@ -580,7 +551,7 @@ async fn lost_connection_commits_nothing_and_retry_runs_once<DB: TestDb>(h: Harn
     assert_eq!(h.orders().await, 1);
 }
 
-async fn unguarded_methods_pass_through<DB: TestDb>(h: Harness<DB>) {
+pub async fn unguarded_methods_pass_through<DB: ConformanceDb>(h: Harness<DB>) {
     // PUT is not guarded by default: no key needed, no ledger row.
     let mut req = order(ALICE, None, BODY);
     *req.method_mut() = http::Method::PUT;

@@ -1,0 +1,413 @@
+//! A conformance kit: the layer's behaviour suite, runnable against any
+//! [`Backend`] (feature `testkit`).
+//!
+//! The crate runs this very suite against PostgreSQL, SQLite and MariaDB. To
+//! hold a fourth backend to the same contract, implement [`ConformanceDb`]
+//! for its database type and instantiate the suite in an integration test:
+//!
+//! ```no_run
+//! // tests/conformance.rs (dev-dependencies: tokio with "macros", "rt-multi-thread").
+//! // `sqlx::Sqlite` stands for your database type here.
+//! tower_idempotency::conformance_suite!(my_store, sqlx::Sqlite);
+//! ```
+//!
+//! Every case is a `#[tokio::test]` on a fresh database, and judges by the
+//! rows committed (orders, stock, ledger rows), not by response text. The
+//! cases cover the decision table, the seed's acceptance list and failure
+//! points, a 50-caller race on one key, principal isolation, cancellation,
+//! panics, lost connections and the bad-input list. A backend that cannot
+//! hold a behaviour fails the case; nothing is skipped, except the
+//! lost-connection case for databases that have no connection to lose
+//! ([`ConformanceDb::kill_own_connection`] returns `false`).
+//!
+//! The built-in backends read `PG_URL` and `MYSQL_URL` (defaults
+//! `postgres://postgres@127.0.0.1:5432/test` and
+//! `mysql://root@127.0.0.1:3306/test`) and create one database per case.
+#![allow(missing_docs, clippy::missing_panics_doc)]
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use crate::{Backend, Classification, IdempotencyLayer, Principal, ResourceId, Tx};
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Extension, Json, Router};
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sqlx::{Pool, Transaction};
+use tower::ServiceExt;
+
+mod backends;
+pub mod cases;
+
+pub use backends::{Cleanup, mysql_admin_url, pg_admin_url};
+
+/// What the suite needs from a database besides the ledger: a fresh
+/// database, and the order-service statements the test app runs.
+pub trait ConformanceDb: Backend + Sized {
+    const LABEL: &'static str;
+    /// A pool on a database of its own, with the ledger and the test tables,
+    /// and the guard that drops it.
+    fn fresh() -> impl Future<Output = (Pool<Self>, Cleanup)> + Send;
+    /// The URL of a new, empty database, and the guard that drops it.
+    fn fresh_url() -> impl Future<Output = (String, Cleanup)> + Send;
+    fn insert_order(
+        conn: &mut Self::Connection,
+        principal: &str,
+        amount: i64,
+    ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
+    fn take_stock(
+        conn: &mut Self::Connection,
+        sku: &str,
+        qty: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    fn set_stock(pool: &Pool<Self>, sku: &str, qty: i64) -> impl Future<Output = ()> + Send;
+    fn stock(pool: &Pool<Self>, sku: &str) -> impl Future<Output = i64> + Send;
+    fn count(pool: &Pool<Self>, sql: &'static str) -> impl Future<Output = i64> + Send;
+    fn exec(pool: &Pool<Self>, sql: &'static str) -> impl Future<Output = ()> + Send;
+    /// Holds the key's write lock the way a stuck first request would: a
+    /// transaction with the scope's uncommitted claim, left open.
+    fn hold_claim(
+        pool: &Pool<Self>,
+        principal: &str,
+        operation: &str,
+        key: &str,
+    ) -> impl Future<Output = Transaction<'static, Self>> + Send;
+    /// Kills the connection under `conn` from another session; `false` where
+    /// the backend has no such thing.
+    fn kill_own_connection(
+        pool: &Pool<Self>,
+        conn: &mut Self::Connection,
+    ) -> impl Future<Output = bool> + Send;
+}
+
+/// One case's world: a fresh database, an execution counter, the test app.
+pub struct Harness<DB: ConformanceDb> {
+    pub pool: Pool<DB>,
+    pub executions: Arc<AtomicUsize>,
+    _drop: Cleanup,
+}
+
+struct AppState<DB: ConformanceDb> {
+    pool: Pool<DB>,
+    executions: Arc<AtomicUsize>,
+}
+
+impl<DB: ConformanceDb> Clone for AppState<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            executions: Arc::clone(&self.executions),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct OrderReq {
+    amount: i64,
+    #[serde(default)]
+    items: Vec<Item>,
+    #[serde(default)]
+    mode: String,
+    #[serde(default)]
+    sleep_ms: u64,
+}
+
+#[derive(Deserialize)]
+struct Item {
+    sku: String,
+    qty: i64,
+}
+
+fn bearer(parts: &http::request::Parts) -> Option<Principal> {
+    let v = parts
+        .headers
+        .get(http::header::AUTHORIZATION)?
+        .to_str()
+        .ok()?;
+    let token = v.strip_prefix("Bearer ")?.trim();
+    (!token.is_empty()).then(|| Principal::new(token))
+}
+
+async fn create_order<DB: ConformanceDb>(
+    State(st): State<AppState<DB>>,
+    headers: HeaderMap,
+    tx: Option<Tx<DB>>,
+    Json(req): Json<OrderReq>,
+) -> Response {
+    let Some(tx) = tx else {
+        // Not guarded: the handler runs its own transaction.
+        st.executions.fetch_add(1, Ordering::SeqCst);
+        let mut own = st.pool.begin().await.unwrap();
+        let id = DB::insert_order(&mut own, "unguarded", req.amount)
+            .await
+            .unwrap();
+        own.commit().await.unwrap();
+        return (StatusCode::CREATED, Json(json!({"orderId": id}))).into_response();
+    };
+    st.executions.fetch_add(1, Ordering::SeqCst);
+    let principal = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .trim_start_matches("Bearer ")
+        .to_string();
+    let mut conn = tx.lock().unwrap();
+    let id = DB::insert_order(&mut conn, &principal, req.amount)
+        .await
+        .unwrap();
+    if req.amount < 0 {
+        // Validation after a write: the rejection must roll it back.
+        return (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "amount must not be negative",
+        )
+            .into_response();
+    }
+    for item in &req.items {
+        if !DB::take_stock(&mut conn, &item.sku, item.qty)
+            .await
+            .unwrap()
+        {
+            let problem = json!({"type": "https://example.test/problems/out-of-stock", "title": "Out of stock", "status": 409, "sku": item.sku});
+            return (
+                StatusCode::CONFLICT,
+                [("content-type", "application/problem+json")],
+                problem.to_string(),
+            )
+                .into_response();
+        }
+    }
+    if req.sleep_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(req.sleep_ms)).await;
+    }
+    match req.mode.as_str() {
+        "fail500" => return (StatusCode::INTERNAL_SERVER_ERROR, "boom").into_response(),
+        "panic" => panic!("handler panicked on purpose"),
+        "mark_final" => {
+            return (
+                StatusCode::BAD_GATEWAY,
+                Extension(Classification::FinalFailure),
+                "declined upstream",
+            )
+                .into_response();
+        }
+        "mark_retryable" => {
+            return (
+                StatusCode::CONFLICT,
+                Extension(Classification::Transient),
+                "try again",
+            )
+                .into_response();
+        }
+        "hold" => {
+            drop(conn);
+            let held = tx.clone();
+            tokio::spawn(async move {
+                let _guard = held.lock();
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        "kill_connection" => {
+            assert!(DB::kill_own_connection(&st.pool, &mut conn).await);
+        }
+        _ => {}
+    }
+    let body = json!({"orderId": id, "principal": principal, "amount": req.amount});
+    (
+        StatusCode::CREATED,
+        [
+            ("location", format!("/orders/{id}")),
+            ("x-attempt-nonce", format!("{}", rand_nonce())),
+        ],
+        Extension(ResourceId::new(id.to_string())),
+        Json(body),
+    )
+        .into_response()
+}
+
+fn rand_nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
+}
+
+impl<DB: ConformanceDb> std::fmt::Debug for Harness<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Harness")
+            .field("executions", &self.executions())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: ConformanceDb> Harness<DB> {
+    pub async fn new() -> Self {
+        let (pool, drop) = DB::fresh().await;
+        Self {
+            pool,
+            executions: Arc::new(AtomicUsize::new(0)),
+            _drop: drop,
+        }
+    }
+
+    /// The default layer for these tests: Bearer-token principals.
+    pub fn layer(&self) -> IdempotencyLayer<DB> {
+        IdempotencyLayer::new(self.pool.clone()).with_principal(bearer)
+    }
+
+    pub fn app(&self) -> Router {
+        self.app_with(self.layer())
+    }
+
+    pub fn app_with(&self, layer: IdempotencyLayer<DB>) -> Router {
+        Router::new()
+            .route("/orders", post(create_order::<DB>).put(create_order::<DB>))
+            .layer(layer)
+            .with_state(AppState {
+                pool: self.pool.clone(),
+                executions: Arc::clone(&self.executions),
+            })
+    }
+
+    pub fn executions(&self) -> usize {
+        self.executions.load(Ordering::SeqCst)
+    }
+
+    pub async fn orders(&self) -> i64 {
+        DB::count(&self.pool, "SELECT COUNT(*) FROM orders").await
+    }
+
+    pub async fn ledger(&self) -> i64 {
+        DB::count(&self.pool, "SELECT COUNT(*) FROM idempotency_records").await
+    }
+
+    pub async fn ledger_with(&self, status: &str) -> i64 {
+        let sql = match status {
+            "SUCCEEDED" => "SELECT COUNT(*) FROM idempotency_records WHERE status = 'SUCCEEDED'",
+            "FAILED_FINAL" => {
+                "SELECT COUNT(*) FROM idempotency_records WHERE status = 'FAILED_FINAL'"
+            }
+            "PROCESSING" => "SELECT COUNT(*) FROM idempotency_records WHERE status = 'PROCESSING'",
+            other => panic!("unknown status {other}"),
+        };
+        DB::count(&self.pool, sql).await
+    }
+
+    /// Nothing at all was stored.
+    pub async fn assert_nothing_stored(&self) {
+        assert_eq!(self.orders().await, 0, "orders");
+        assert_eq!(self.ledger().await, 0, "ledger rows");
+    }
+}
+
+/// A request to `POST /orders`.
+pub fn order(principal: Option<&str>, key: Option<&str>, body: &str) -> Request<axum::body::Body> {
+    let mut b = Request::post("/orders").header("content-type", "application/json");
+    if let Some(p) = principal {
+        b = b.header("authorization", format!("Bearer {p}"));
+    }
+    if let Some(k) = key {
+        b = b.header("idempotency-key", k);
+    }
+    b.body(axum::body::Body::from(body.to_string())).unwrap()
+}
+
+/// A response read to the end.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+
+    /// The `type` of a problem document, after the `#`.
+    pub fn problem(&self) -> String {
+        assert_eq!(
+            self.headers["content-type"], "application/problem+json",
+            "not a problem: {self:?}"
+        );
+        let t = self.json()["type"].as_str().unwrap_or_default().to_string();
+        t.rsplit('#').next().unwrap_or_default().to_string()
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+}
+
+pub async fn send(app: &Router, req: Request<axum::body::Body>) -> Answer {
+    let res = app.clone().oneshot(req).await.unwrap();
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// Instantiates every conformance case as a `#[tokio::test]` in a module
+/// named `$name`, for the database type `$db` (which implements
+/// [`ConformanceDb`](crate::testkit::ConformanceDb)).
+#[macro_export]
+macro_rules! conformance_suite {
+    ($name:ident, $db:ty) => {
+        $crate::__conformance_cases!($name, $db;
+            first_request_commits_order_and_succeeded_row,
+            retry_replays_byte_for_byte_without_executing,
+            quoted_and_bare_key_are_the_same_key,
+            missing_key_is_refused_and_nothing_stored,
+            malformed_keys_are_refused_and_nothing_stored,
+            missing_principal_is_refused_and_nothing_stored,
+            oversized_body_is_refused_before_buffering,
+            invalid_bodies_are_refused_and_nothing_stored,
+            changed_payload_is_refused_with_422,
+            mismatch_status_can_be_409,
+            handler_rejection_rolls_back_and_key_stays_usable,
+            final_business_error_records_failed_final_without_partial_writes,
+            server_error_rolls_back_and_retry_runs_afresh,
+            handler_can_mark_a_response_final_or_retryable,
+            concurrent_duplicate_waits_then_replays,
+            stuck_claim_is_bounded_then_in_flight_409,
+            expired_record_is_refused_with_410,
+            fifty_concurrent_duplicates_execute_once,
+            other_principal_same_key_is_independent,
+            dropped_future_commits_nothing,
+            panicking_handler_commits_nothing,
+            held_transaction_handle_commits_nothing,
+            lost_connection_commits_nothing_and_retry_runs_once,
+            unguarded_methods_pass_through,
+        );
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_cases {
+    ($name:ident, $db:ty; $($case:ident),* $(,)?) => {
+        mod $name {
+            $(
+                #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    let harness = $crate::testkit::Harness::<$db>::new().await;
+                    $crate::testkit::cases::$case(harness).await;
+                }
+            )*
+        }
+    };
+}
