@@ -28,6 +28,11 @@
 //! 6. `tx.updateIdempotency(…SUCCEEDED…)`, `tx.commit()`: done by the layer
 //!    with the `201` response, in the handler's own transaction.
 //!
+//! 7. Retention: keys replay for 24 hours (`Idempotency-Key-Expires` says
+//!    until when), then answer `410` linking the order; a [`Sweeper`] runs
+//!    every minute, turning expired answers into tombstones and deleting
+//!    tombstones after 90 days.
+//!
 //! Other routes: `PUT /stock/{sku}` `{"qty":N}` sets stock (idempotent by
 //! nature, no key); `GET /stock/{sku}`; `GET /orders/{id}` (owner only, else
 //! 404); `GET /health`.
@@ -45,7 +50,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::Pool;
 use tower_idempotency::{
-    Backend, FingerprintError, IdempotencyLayer, Normalizer, Principal, ResourceId, Tx,
+    Backend, FingerprintError, IdempotencyLayer, Normalizer, Principal, ResourceId, Sweeper, Tx,
 };
 
 /// The `POST /orders` body.
@@ -506,9 +511,13 @@ async fn get_stock<DB: OrderDb>(State(app): State<App<DB>>, Path(sku): Path<Stri
 }
 
 fn router<DB: OrderDb>(pool: Pool<DB>, handler_delay: Duration) -> Router {
+    // Retention: a key replays for 24 hours, then answers 410 with a link to
+    // the order; tombstones are kept 90 days (see the sweeper in `serve`).
     let idempotency = IdempotencyLayer::new(pool.clone())
         .with_operation("create-order")
-        .with_normalizer(Normalizer::custom(normalize_order));
+        .with_normalizer(Normalizer::custom(normalize_order))
+        .with_retention(Duration::from_secs(24 * 3600))
+        .with_resource_link(|id| format!("/orders/{id}"));
     let orders = Router::new()
         .route("/orders", post(create_order::<DB>).layer(idempotency))
         .route("/orders/{id}", get(get_order::<DB>))
@@ -530,6 +539,7 @@ async fn serve<DB: OrderDb>(
 ) -> Result<(), Box<dyn std::error::Error>> {
     tower_idempotency::migrate(&pool).await?;
     DB::create_schema(&pool).await?;
+    let sweeper = Sweeper::new(pool.clone()).spawn(Duration::from_secs(60));
     let listener = tokio::net::TcpListener::bind(args.addr).await?;
     println!(
         "order_service listening on http://{} (store: {store})",
@@ -538,6 +548,7 @@ async fn serve<DB: OrderDb>(
     axum::serve(listener, router(pool.clone(), args.handler_delay))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
+    sweeper.abort();
     pool.close().await;
     Ok(())
 }

@@ -10,7 +10,9 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::store::{Record, RecordStatus};
+use sqlx::Pool;
+
+use crate::store::{Backend, Record, RecordStatus};
 
 /// The default retention of a key: 24 hours.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
@@ -31,4 +33,186 @@ pub(crate) fn expires_at(now: i64, retention: Duration) -> i64 {
 pub(crate) fn is_expired(record: &Record, now: i64) -> bool {
     record.status == RecordStatus::Expired
         || (record.status.is_terminal() && now >= record.expires_at)
+}
+
+/// The response header that tells the client until when its key is honoured
+/// (an HTTP-date), on first answers and replays alike. Retries after that
+/// time get `410 Gone`.
+pub const IDEMPOTENCY_KEY_EXPIRES: &str = "idempotency-key-expires";
+
+/// The default time a tombstone is kept after its key expired: 90 days.
+pub const DEFAULT_TOMBSTONE_RETENTION: Duration = Duration::from_secs(90 * 24 * 60 * 60);
+
+/// Turns expired ledger rows into tombstones and, much later, deletes them.
+///
+/// - A terminal row (`SUCCEEDED`, `FAILED_FINAL`) past its `expires_at`
+///   becomes an `EXPIRED` tombstone: the response is dropped; the scope,
+///   fingerprint and resource id stay, so the key is still refused (`410`).
+/// - A tombstone is deleted once `expires_at` is older than the tombstone
+///   retention (90 days by default). Only then may the key be used again,
+///   as a new request: keep it longer than any client could retry.
+/// - `PROCESSING` rows are never touched by time alone.
+///
+/// Work is done in batches of one short statement each (1 000 rows by
+/// default, 10 ms apart) through the `(status, expires_at)` index, so a sweep
+/// never holds long locks and claims run between batches.
+#[derive(Debug, Clone)]
+pub struct Sweeper<DB: Backend> {
+    pool: Pool<DB>,
+    batch_size: i64,
+    max_batches: u32,
+    pause: Duration,
+    tombstone_retention: Duration,
+}
+
+/// What one sweep did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Terminal rows turned into tombstones.
+    pub expired: u64,
+    /// Tombstones deleted.
+    pub purged: u64,
+    /// Statements run.
+    pub batches: u32,
+}
+
+impl<DB: Backend> Sweeper<DB> {
+    /// A sweeper for the ledger in `pool`.
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self {
+            pool,
+            batch_size: 1000,
+            max_batches: 10_000,
+            pause: Duration::from_millis(10),
+            tombstone_retention: DEFAULT_TOMBSTONE_RETENTION,
+        }
+    }
+
+    /// Rows per statement. The default is 1 000.
+    #[must_use]
+    pub fn with_batch_size(mut self, rows: u32) -> Self {
+        self.batch_size = i64::from(rows.max(1));
+        self
+    }
+
+    /// The most statements one sweep runs; the rest waits for the next
+    /// sweep. The default is 10 000.
+    #[must_use]
+    pub fn with_max_batches(mut self, batches: u32) -> Self {
+        self.max_batches = batches.max(1);
+        self
+    }
+
+    /// The pause between two statements of a sweep, which leaves room for
+    /// claims on single-writer stores (SQLite). The default is 10 ms.
+    #[must_use]
+    pub fn with_pause(mut self, pause: Duration) -> Self {
+        self.pause = pause;
+        self
+    }
+
+    /// How long tombstones are kept after their key expired. The default
+    /// is [`DEFAULT_TOMBSTONE_RETENTION`] (90 days).
+    #[must_use]
+    pub fn with_tombstone_retention(mut self, retention: Duration) -> Self {
+        self.tombstone_retention = retention;
+        self
+    }
+
+    /// Sweeps now.
+    pub async fn sweep(&self) -> Result<SweepReport, sqlx::Error> {
+        self.sweep_at(SystemTime::now()).await
+    }
+
+    /// Sweeps as if the time were `now` (for operators catching up, and for
+    /// tests that control time instead of sleeping).
+    pub async fn sweep_at(&self, now: SystemTime) -> Result<SweepReport, sqlx::Error> {
+        let now = now
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        let purge_before = now.saturating_sub(
+            i64::try_from(self.tombstone_retention.as_millis()).unwrap_or(i64::MAX),
+        );
+        let mut report = SweepReport::default();
+        while report.batches < self.max_batches {
+            report.batches += 1;
+            let n = DB::expire_batch(&self.pool, now, self.batch_size).await?;
+            report.expired += n;
+            if n < self.batch_size as u64 {
+                break;
+            }
+            tokio::time::sleep(self.pause).await;
+        }
+        while report.batches < self.max_batches {
+            report.batches += 1;
+            let n = DB::purge_batch(&self.pool, purge_before, self.batch_size).await?;
+            report.purged += n;
+            if n < self.batch_size as u64 {
+                break;
+            }
+            tokio::time::sleep(self.pause).await;
+        }
+        Ok(report)
+    }
+
+    /// Runs [`sweep`](Self::sweep) every `interval` on the tokio runtime
+    /// until the returned handle is aborted. A failed sweep is retried at
+    /// the next tick.
+    pub fn spawn(self, interval: Duration) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(interval);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                let _ = self.sweep().await;
+            }
+        })
+    }
+}
+
+/// Formats epoch milliseconds as an HTTP-date (IMF-fixdate, RFC 9110 §5.6.7).
+pub(crate) fn http_date(epoch_ms: i64) -> String {
+    const DAYS: [&str; 7] = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"];
+    const MONTHS: [&str; 12] = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let secs = epoch_ms.div_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{}, {:02} {} {} {:02}:{:02}:{:02} GMT",
+        DAYS[days.rem_euclid(7) as usize],
+        day,
+        MONTHS[(month - 1) as usize],
+        year,
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http_dates() {
+        assert_eq!(http_date(0), "Thu, 01 Jan 1970 00:00:00 GMT");
+        assert_eq!(http_date(784_111_777_000), "Sun, 06 Nov 1994 08:49:37 GMT");
+        assert_eq!(
+            http_date(1_795_963_187_878),
+            "Sun, 29 Nov 2026 14:39:47 GMT"
+        );
+        assert_eq!(http_date(951_782_400_000), "Tue, 29 Feb 2000 00:00:00 GMT");
+    }
 }

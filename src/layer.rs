@@ -60,7 +60,11 @@ pub(crate) struct Config {
     pub(crate) mismatch_status: StatusCode,
     pub(crate) replayed_header: bool,
     pub(crate) recorded_headers: Vec<HeaderName>,
+    pub(crate) hash_keys: bool,
+    pub(crate) resource_link: Option<ResourceLinkFn>,
 }
+
+pub(crate) type ResourceLinkFn = Arc<dyn Fn(&str) -> String + Send + Sync>;
 
 impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -79,6 +83,7 @@ impl std::fmt::Debug for Config {
             .field("mismatch_status", &self.mismatch_status)
             .field("replayed_header", &self.replayed_header)
             .field("recorded_headers", &self.recorded_headers)
+            .field("hash_keys", &self.hash_keys)
             .finish_non_exhaustive()
     }
 }
@@ -132,6 +137,8 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 mismatch_status: StatusCode::UNPROCESSABLE_ENTITY,
                 replayed_header: true,
                 recorded_headers: vec![header::CONTENT_TYPE, header::LOCATION],
+                hash_keys: false,
+                resource_link: None,
             },
         }
     }
@@ -266,6 +273,30 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     #[must_use]
     pub fn with_recorded_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config.recorded_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// Stores `sha256:<hex>` of each key instead of the key (keys can carry
+    /// personal data). Same guarantees: equal keys hash equal, different keys
+    /// do not collide in practice. Switching it on or off changes which
+    /// stored rows a key matches, so choose before going live. The default
+    /// is `false`.
+    #[must_use]
+    pub fn with_hashed_keys(mut self, hashed: bool) -> Self {
+        self.config.hash_keys = hashed;
+        self
+    }
+
+    /// How to link a resource id to its URL, for the `410` answer to an
+    /// expired key (`Link: <url>; rel="related"` and a `resource` member),
+    /// so the client can look the result up. The default is no link; the
+    /// `resource_id` is named either way.
+    #[must_use]
+    pub fn with_resource_link<F>(mut self, link: F) -> Self
+    where
+        F: Fn(&str) -> String + Send + Sync + 'static,
+    {
+        self.config.resource_link = Some(Arc::new(link));
         self
     }
 }

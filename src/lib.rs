@@ -154,7 +154,9 @@ mod tx;
 
 pub use body::IdempotencyBody;
 pub use classify::{Classification, ResourceId};
-pub use expiry::DEFAULT_RETENTION;
+pub use expiry::{
+    DEFAULT_RETENTION, DEFAULT_TOMBSTONE_RETENTION, IDEMPOTENCY_KEY_EXPIRES, SweepReport, Sweeper,
+};
 pub use fingerprint::{Fingerprint, FingerprintError, Normalizer};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyMode, MAX_KEY_LEN};
 pub use layer::{ConfigError, IdempotencyLayer};

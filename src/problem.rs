@@ -16,7 +16,7 @@
 //! | [`KeyReused`](ProblemKind::KeyReused) | 422 (or 409) | `#key-reused` | same key, different request |
 //! | [`InFlight`](ProblemKind::InFlight) | 409 + `Retry-After` | `#in-flight` | the first request with this key is still running |
 //! | [`Unconfirmed`](ProblemKind::Unconfirmed) | 409 + `Retry-After` | `#unconfirmed` | the key is taken but its record could not be read |
-//! | [`Expired`](ProblemKind::Expired) | 410 | `#expired` | the key's retention is over; it is never executed again |
+//! | [`Expired`](ProblemKind::Expired) | 410 | `#expired` | the key's retention is over; it is never executed again. Names `resource_id` (and `resource` plus a `Link` header when a resource link is configured) |
 //! | [`CommitUnknown`](ProblemKind::CommitUnknown) | 503 + `Retry-After` | `#commit-unknown` | the commit's outcome could not be confirmed and nothing is recorded |
 //! | [`StoreUnavailable`](ProblemKind::StoreUnavailable) | 503 + `Retry-After` | `#store-unavailable` | the ledger could not be reached; nothing was executed |
 //! | [`ResponseTooLarge`](ProblemKind::ResponseTooLarge) | 500 | `#response-too-large` | the handler's answer was over the recording limit; rolled back |
@@ -137,6 +137,7 @@ pub(crate) struct Problem {
     pub(crate) detail: String,
     pub(crate) retry_after_secs: Option<u64>,
     pub(crate) resource_id: Option<String>,
+    pub(crate) resource_link: Option<String>,
 }
 
 impl Problem {
@@ -147,6 +148,7 @@ impl Problem {
             detail: detail.into(),
             retry_after_secs: None,
             resource_id: None,
+            resource_link: None,
         }
     }
 
@@ -160,8 +162,9 @@ impl Problem {
         self
     }
 
-    pub(crate) fn resource(mut self, id: Option<String>) -> Self {
+    pub(crate) fn resource(mut self, id: Option<String>, link: Option<String>) -> Self {
         self.resource_id = id;
+        self.resource_link = link;
         self
     }
 
@@ -175,6 +178,9 @@ impl Problem {
         if let Some(id) = &self.resource_id {
             doc["resource_id"] = json!(id);
         }
+        if let Some(link) = &self.resource_link {
+            doc["resource"] = json!(link);
+        }
         let body = Bytes::from(doc.to_string());
         let mut res = Response::new(body);
         *res.status_mut() = self.status;
@@ -182,6 +188,13 @@ impl Problem {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         );
+        let link = self
+            .resource_link
+            .as_ref()
+            .map(|l| format!("<{l}>; rel=\"related\""));
+        if let Some(value) = link.and_then(|l| HeaderValue::from_str(&l).ok()) {
+            res.headers_mut().insert(header::LINK, value);
+        }
         if let Some(secs) = self.retry_after_secs {
             res.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));

@@ -63,8 +63,15 @@ pub(crate) fn default_operation(parts: &Parts) -> String {
 /// Keeps a scope column within 255 bytes without making two values equal.
 pub(crate) fn bounded(value: &str) -> Cow<'_, str> {
     if value.len() <= 255 {
-        return Cow::Borrowed(value);
+        Cow::Borrowed(value)
+    } else {
+        hashed(value)
     }
+}
+
+/// `sha256:<hex>` of the value: distinct values stay distinct, and the
+/// value itself is not stored.
+pub(crate) fn hashed(value: &str) -> Cow<'static, str> {
     let digest = Sha256::digest(value.as_bytes());
     let mut out = String::with_capacity(7 + 64);
     out.push_str("sha256:");

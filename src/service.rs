@@ -19,13 +19,13 @@ use tower_service::Service;
 
 use crate::body::IdempotencyBody;
 use crate::classify::{Classification, ResourceId};
-use crate::expiry::{expires_at, is_expired, now_ms};
+use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, expires_at, http_date, is_expired, now_ms};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::layer::Config;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
-use crate::scope::{bounded, default_operation};
+use crate::scope::{bounded, default_operation, hashed};
 use crate::store::{Backend, Claim, Completion, Record, RecordStatus, Scope, StoreErrorKind};
 use crate::tx::Tx;
 
@@ -186,8 +186,9 @@ enum Verdict {
 
 /// The outcome of the claim stage.
 enum Claimed<DB: Backend> {
-    /// This request owns the scope; the transaction is past its savepoint.
-    Won(Transaction<'static, DB>),
+    /// This request owns the scope (until the returned `expires_at`); the
+    /// transaction is past its savepoint.
+    Won(Transaction<'static, DB>, i64),
     /// Answer without running the handler.
     Answer((Response<Bytes>, IdempotencyOutcome)),
 }
@@ -268,16 +269,24 @@ impl<DB: Backend> Run<DB> {
         };
         let principal = bounded(principal.as_str());
         let operation = bounded(&operation);
+        let key = if cfg.hash_keys {
+            hashed(key.as_str())
+        } else {
+            std::borrow::Cow::Borrowed(key.as_str())
+        };
         let id = Identity {
             scope: Scope {
                 principal: &principal,
                 operation: &operation,
-                key: key.as_str(),
+                key: &key,
             },
             fingerprint,
         };
         match self.claim(&id).await {
-            Claimed::Won(tx) => self.execute(inner, &id, tx, parts, body).await,
+            Claimed::Won(tx, expires_at) => {
+                self.execute(inner, &id, (tx, expires_at), parts, body)
+                    .await
+            }
             Claimed::Answer((res, outcome)) => Ok(buffered(res, outcome)),
         }
     }
@@ -295,7 +304,7 @@ impl<DB: Backend> Run<DB> {
                 Ok(Some(Verdict::Answer(answer))) => return Claimed::Answer(answer),
                 Ok(Some(Verdict::InFlight)) => ProblemKind::InFlight,
                 Ok(None) => match self.try_claim(id, deadline).await {
-                    Ok(Some(tx)) => return Claimed::Won(tx),
+                    Ok(Some((tx, expires_at))) => return Claimed::Won(tx, expires_at),
                     // Lost to a committed row: a fresh read explains it.
                     Ok(None) => match self.lookup(id).await {
                         Ok(Some(Verdict::Answer(answer))) => return Claimed::Answer(answer),
@@ -339,7 +348,7 @@ impl<DB: Backend> Run<DB> {
         &self,
         id: &Identity<'_>,
         deadline: Instant,
-    ) -> Result<Option<Transaction<'static, DB>>, sqlx::Error> {
+    ) -> Result<Option<(Transaction<'static, DB>, i64)>, sqlx::Error> {
         let cfg = &self.config;
         let wait = cfg
             .in_flight_wait
@@ -357,7 +366,7 @@ impl<DB: Backend> Run<DB> {
         match won {
             Ok(true) => {
                 DB::savepoint(&mut tx).await?;
-                Ok(Some(tx))
+                Ok(Some((tx, claim.expires_at)))
             }
             Ok(false) => {
                 // Some drivers refuse further statements after a conflict;
@@ -386,8 +395,13 @@ impl<DB: Backend> Run<DB> {
         let refuse = |problem: Problem| Verdict::Answer(refusal(problem, 1));
         if is_expired(record, now_ms()) {
             let detail = "this Idempotency-Key's retention has ended; the original request is not executed again. Look the resource up, or send a new key for a new operation";
+            let link = match (&record.resource_id, &self.config.resource_link) {
+                (Some(id), Some(link)) => Some(link(id)),
+                _ => None,
+            };
             return refuse(
-                Problem::new(ProblemKind::Expired, detail).resource(record.resource_id.clone()),
+                Problem::new(ProblemKind::Expired, detail)
+                    .resource(record.resource_id.clone(), link),
             );
         }
         if record.fingerprint != id.fingerprint.as_bytes() {
@@ -403,10 +417,9 @@ impl<DB: Backend> Run<DB> {
                     headers: record.response_headers.clone().unwrap_or_default(),
                     body: Bytes::from(record.response_body.clone().unwrap_or_default()),
                 };
-                Verdict::Answer((
-                    stored.to_response(self.config.replayed_header),
-                    IdempotencyOutcome::Replayed,
-                ))
+                let mut res = stored.to_response(self.config.replayed_header);
+                add_expiry(res.headers_mut(), record.expires_at);
+                Verdict::Answer((res, IdempotencyOutcome::Replayed))
             }
             _ => Verdict::InFlight,
         }
@@ -418,7 +431,7 @@ impl<DB: Backend> Run<DB> {
         &self,
         mut inner: S,
         id: &Identity<'_>,
-        tx: Transaction<'static, DB>,
+        (tx, expires_at): (Transaction<'static, DB>, i64),
         parts: Parts,
         body: Bytes,
     ) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
@@ -520,7 +533,11 @@ impl<DB: Backend> Run<DB> {
             rollback(Some(tx)).await;
             return Ok(refuse(store_problem::<DB>(&e), 1));
         }
-        let respond = |body: Bytes| Ok(buffered(Response::from_parts(res_parts, body), outcome));
+        let respond = |body: Bytes| {
+            let mut res = Response::from_parts(res_parts, body);
+            add_expiry(res.headers_mut(), expires_at);
+            Ok(buffered(res, outcome))
+        };
         match tx.commit().await {
             Ok(()) => respond(stored.body),
             Err(e) if DB::error_kind(&e) == StoreErrorKind::ConnectionLost => {
@@ -539,6 +556,16 @@ impl<DB: Backend> Run<DB> {
             }
             Err(e) => Ok(refuse(store_problem::<DB>(&e), 1)),
         }
+    }
+}
+
+/// Tells the client until when its key is honoured.
+fn add_expiry(headers: &mut HeaderMap, expires_at: i64) {
+    if let Ok(value) = http::HeaderValue::from_str(&http_date(expires_at)) {
+        headers.insert(
+            http::HeaderName::from_static(IDEMPOTENCY_KEY_EXPIRES),
+            value,
+        );
     }
 }
 

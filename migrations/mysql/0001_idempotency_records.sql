@@ -14,7 +14,8 @@ CREATE TABLE IF NOT EXISTS idempotency_records (
     created_at          BIGINT NOT NULL,
     expires_at          BIGINT NOT NULL,
     PRIMARY KEY (principal_id, operation, idem_key),
-    KEY idempotency_records_expires_at (expires_at),
+    -- The sweeper walks terminal rows, then tombstones, by expiry.
+    KEY idempotency_records_sweep (status, expires_at),
     CONSTRAINT idempotency_records_status
         CHECK (status IN ('PROCESSING', 'SUCCEEDED', 'FAILED_FINAL', 'EXPIRED'))
 ) ENGINE = InnoDB;

@@ -15,4 +15,6 @@ CREATE TABLE IF NOT EXISTS idempotency_records (
     expires_at          BIGINT  NOT NULL,
     CONSTRAINT idempotency_records_scope PRIMARY KEY (principal_id, operation, idem_key)
 );
-CREATE INDEX IF NOT EXISTS idempotency_records_expires_at ON idempotency_records (expires_at);
+-- The sweeper walks terminal rows, then tombstones, by expiry: (status, expires_at)
+-- serves both range scans without wading through the other kind.
+CREATE INDEX IF NOT EXISTS idempotency_records_sweep ON idempotency_records (status, expires_at);

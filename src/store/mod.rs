@@ -190,6 +190,24 @@ pub trait Backend: Database {
         scope: &Scope<'_>,
     ) -> impl Future<Output = Result<Option<Record>, sqlx::Error>> + Send;
 
+    /// Turns at most `limit` terminal rows (`SUCCEEDED`, `FAILED_FINAL`) with
+    /// `expires_at <= now` into `EXPIRED` tombstones: response headers and
+    /// body dropped, scope, fingerprint and resource id kept. Never touches
+    /// `PROCESSING` rows. One short statement; returns the rows changed.
+    fn expire_batch(
+        pool: &Pool<Self>,
+        now: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Deletes at most `limit` tombstones with `expires_at <= before`. One
+    /// short statement; returns the rows deleted.
+    fn purge_batch(
+        pool: &Pool<Self>,
+        before: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
     /// Sorts a driver error.
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind;
 }
@@ -248,7 +266,34 @@ fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
 
 /// Stamps out the statements every backend shares, given its SQL text.
 macro_rules! shared_statements {
-    ($db:ty, insert = $insert:expr, complete = $complete:expr, fetch = $fetch:expr $(,)?) => {
+    ($db:ty, insert = $insert:expr, complete = $complete:expr, fetch = $fetch:expr,
+     expire = $expire:expr, purge = $purge:expr $(,)?) => {
+        async fn expire_batch(
+            pool: &sqlx::Pool<$db>,
+            now: i64,
+            limit: i64,
+        ) -> Result<u64, sqlx::Error> {
+            let done = sqlx::query($expire)
+                .bind(now)
+                .bind(limit)
+                .execute(pool)
+                .await?;
+            Ok(done.rows_affected())
+        }
+
+        async fn purge_batch(
+            pool: &sqlx::Pool<$db>,
+            before: i64,
+            limit: i64,
+        ) -> Result<u64, sqlx::Error> {
+            let done = sqlx::query($purge)
+                .bind(before)
+                .bind(limit)
+                .execute(pool)
+                .await?;
+            Ok(done.rows_affected())
+        }
+
         async fn try_claim(
             conn: &mut <$db as sqlx::Database>::Connection,
             claim: &$crate::store::Claim<'_>,

@@ -55,6 +55,11 @@ impl Backend for MySql {
         fetch = "SELECT status, request_fingerprint, response_status, response_headers, \
                  response_body, resource_id, expires_at FROM idempotency_records \
                  WHERE principal_id = ? AND operation = ? AND idem_key = ?",
+        expire = "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
+                  response_body = NULL \
+                  WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= ? LIMIT ?",
+        purge =
+            "DELETE FROM idempotency_records WHERE status = 'EXPIRED' AND expires_at <= ? LIMIT ?",
     );
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {

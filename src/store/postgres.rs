@@ -50,6 +50,14 @@ impl Backend for Postgres {
         fetch = "SELECT status, request_fingerprint, response_status, response_headers, \
                  response_body, resource_id, expires_at FROM idempotency_records \
                  WHERE principal_id = $1 AND operation = $2 AND idem_key = $3",
+        expire = "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
+                  response_body = NULL WHERE (principal_id, operation, idem_key) IN \
+                  (SELECT principal_id, operation, idem_key FROM idempotency_records \
+                  WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= $1 \
+                  LIMIT $2 FOR UPDATE SKIP LOCKED)",
+        purge = "DELETE FROM idempotency_records WHERE (principal_id, operation, idem_key) IN \
+                 (SELECT principal_id, operation, idem_key FROM idempotency_records \
+                 WHERE status = 'EXPIRED' AND expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
     );
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {

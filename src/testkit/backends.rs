@@ -197,6 +197,18 @@ impl ConformanceDb for sqlx::Postgres {
             .unwrap();
         true
     }
+
+    async fn seed_expired(pool: &Pool<Self>, n: u32) {
+        sqlx::query(
+            "INSERT INTO idempotency_records SELECT 'bulk', 'op', 'k' || g, '\\x00', \
+                     'SUCCEEDED', 201, NULL, 'stored response body', NULL, 0, 1 \
+                     FROM generate_series(1, $1) AS g",
+        )
+        .bind(i64::from(n))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
 }
 
 #[cfg(feature = "sqlite")]
@@ -302,6 +314,18 @@ impl ConformanceDb for sqlx::Sqlite {
 
     async fn kill_own_connection(_pool: &Pool<Self>, _conn: &mut sqlx::SqliteConnection) -> bool {
         false
+    }
+
+    async fn seed_expired(pool: &Pool<Self>, n: u32) {
+        sqlx::query(
+            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < ?) \
+                     INSERT INTO idempotency_records SELECT 'bulk', 'op', 'k' || x, x'00', \
+                     'SUCCEEDED', 201, NULL, 'stored response body', NULL, 0, 1 FROM c",
+        )
+        .bind(i64::from(n))
+        .execute(pool)
+        .await
+        .unwrap();
     }
 }
 
@@ -434,5 +458,16 @@ impl ConformanceDb for sqlx::MySql {
             .await
             .unwrap();
         true
+    }
+
+    async fn seed_expired(pool: &Pool<Self>, n: u32) {
+        // MariaDB's sequence engine: seq_1_to_N is a table of 1..=N.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO idempotency_records SELECT 'bulk', 'op', CONCAT('k', seq), x'00', \
+             'SUCCEEDED', 201, NULL, 'stored response body', NULL, 0, 1 FROM seq_1_to_{n}"
+        )))
+        .execute(pool)
+        .await
+        .unwrap();
     }
 }

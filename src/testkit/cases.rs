@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 
 use super::{Answer, ConformanceDb, Harness, order, send};
-use crate::IdempotencyLayer;
+use crate::expiry::http_date;
+use crate::{IdempotencyLayer, Sweeper};
 
 const BODY: &str = r#"{"amount":12000,"items":[]}"#;
 const ALICE: Option<&str> = Some("user-42");
@@ -559,4 +560,177 @@ pub async fn unguarded_methods_pass_through<DB: ConformanceDb>(h: Harness<DB>) {
     assert_eq!(a.status, StatusCode::CREATED);
     assert_eq!(h.ledger().await, 0);
     assert_eq!(h.orders().await, 1);
+}
+
+/// Issue 5: clients learn until when a retry is safe, on first answers and
+/// replays alike; an expired key's 410 links the resource.
+pub async fn answers_advertise_the_key_expiry<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app_with(h.layer().with_resource_link(|id| format!("/orders/{id}")));
+    let first = send(&app, order(ALICE, KEY, BODY)).await;
+    let expires_at = DB::count(&h.pool, "SELECT expires_at FROM idempotency_records").await;
+    assert_eq!(
+        first.headers["idempotency-key-expires"],
+        http_date(expires_at).as_str()
+    );
+    let retry = send(&app, order(ALICE, KEY, BODY)).await;
+    assert!(retry.replayed());
+    assert_eq!(
+        retry.headers["idempotency-key-expires"],
+        first.headers["idempotency-key-expires"]
+    );
+    // About 24 hours ahead by default.
+    let created = DB::count(&h.pool, "SELECT created_at FROM idempotency_records").await;
+    assert_eq!(expires_at - created, 24 * 60 * 60 * 1000);
+    // Unrecorded answers promise nothing.
+    let rejected = send(&app, order(ALICE, Some("neg"), r#"{"amount":-1}"#)).await;
+    assert!(rejected.headers.get("idempotency-key-expires").is_none());
+    DB::exec(&h.pool, "UPDATE idempotency_records SET expires_at = 1").await;
+    let late = send(&app, order(ALICE, KEY, BODY)).await;
+    assert_eq!(late.status, StatusCode::GONE);
+    let id = first.json()["orderId"].as_i64().unwrap();
+    assert_eq!(
+        late.headers["link"],
+        format!("</orders/{id}>; rel=\"related\"").as_str()
+    );
+    assert_eq!(late.json()["resource"], format!("/orders/{id}").as_str());
+    assert_eq!(h.orders().await, 1);
+}
+
+/// Issue 5: hashed keys store no raw key and keep every guarantee.
+pub async fn hashed_keys_keep_the_guarantees<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app_with(h.layer().with_hashed_keys(true));
+    let first = send(&app, order(ALICE, Some("alice@example.com-checkout"), BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = send(&app, order(ALICE, Some("alice@example.com-checkout"), BODY)).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    let changed = send(
+        &app,
+        order(ALICE, Some("alice@example.com-checkout"), r#"{"amount":1}"#),
+    )
+    .await;
+    assert_eq!(changed.problem(), "key-reused");
+    let other = send(&app, order(ALICE, Some("another-key"), BODY)).await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.orders().await, 2);
+    let raw = DB::count(
+        &h.pool,
+        "SELECT COUNT(*) FROM idempotency_records WHERE idem_key LIKE '%example.com%'",
+    )
+    .await;
+    assert_eq!(raw, 0, "no raw key stored");
+    let hashed = DB::count(
+        &h.pool,
+        "SELECT COUNT(*) FROM idempotency_records WHERE idem_key LIKE 'sha256:%'",
+    )
+    .await;
+    assert_eq!(hashed, 2);
+}
+
+/// Issue 5: the sweeper tombstones terminal rows past expiry (keeping what
+/// refuses the key), never touches PROCESSING, and purges tombstones only
+/// after the second retention. Time is set by the test.
+pub async fn sweep_tombstones_expired_rows_and_purges_them_later<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    DB::set_stock(&h.pool, "A-10", 1).await;
+    let app = h.app();
+    let k1 = send(&app, order(ALICE, Some("k1"), BODY)).await;
+    send(&app, order(ALICE, Some("k2"), BODY)).await;
+    let short = r#"{"amount":1,"items":[{"sku":"A-10","qty":5}]}"#;
+    let k3 = send(&app, order(ALICE, Some("k3"), short)).await;
+    assert_eq!(k3.status, StatusCode::CONFLICT);
+    // k2 is kept for centuries; k1 and k3 have the default 24 hours.
+    DB::exec(
+        &h.pool,
+        "UPDATE idempotency_records SET expires_at = 9000000000000 WHERE idem_key = 'k2'",
+    )
+    .await;
+    // A committed PROCESSING row long past its expiry (lease-style): untouchable by time.
+    DB::exec(&h.pool, "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) VALUES ('user-42', 'POST /orders', 'stuck', '\\x00', 'PROCESSING', 0, 1)").await;
+
+    let sweeper = Sweeper::new(h.pool.clone()).with_batch_size(1);
+    let day = Duration::from_secs(24 * 3600);
+    let now = std::time::SystemTime::now() + 2 * day;
+    assert_eq!(
+        sweeper.sweep_at(now - 2 * day).await.unwrap(),
+        crate::SweepReport {
+            expired: 0,
+            purged: 0,
+            batches: 2
+        }
+    );
+    let report = sweeper.sweep_at(now).await.unwrap();
+    assert_eq!((report.expired, report.purged), (2, 0));
+    assert_eq!(h.ledger_with("EXPIRED").await, 2);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+    assert_eq!(h.ledger_with("PROCESSING").await, 1);
+    let kept = DB::count(&h.pool, "SELECT COUNT(*) FROM idempotency_records WHERE status = 'EXPIRED' AND response_body IS NULL AND response_headers IS NULL AND request_fingerprint IS NOT NULL").await;
+    assert_eq!(
+        kept, 2,
+        "tombstones drop the response, keep the fingerprint"
+    );
+    let with_resource = DB::count(&h.pool, "SELECT COUNT(*) FROM idempotency_records WHERE status = 'EXPIRED' AND resource_id IS NOT NULL").await;
+    assert_eq!(with_resource, 1, "k1's resource id survives");
+    // The tombstone refuses the key and names the resource.
+    let late = send(&app, order(ALICE, Some("k1"), BODY)).await;
+    assert_eq!(late.status, StatusCode::GONE);
+    assert_eq!(
+        late.json()["resource_id"],
+        k1.json()["orderId"].to_string().as_str()
+    );
+    // Nothing to do again.
+    assert_eq!(sweeper.sweep_at(now).await.unwrap().expired, 0);
+    // 88 days on the tombstones are still kept; 200 days on they are past
+    // the 90-day tombstone retention. k2 and PROCESSING stay.
+    let report = sweeper.sweep_at(now + 88 * day).await.unwrap();
+    assert_eq!((report.expired, report.purged), (0, 0));
+    let report = sweeper.sweep_at(now + 200 * day).await.unwrap();
+    assert_eq!((report.expired, report.purged), (0, 2));
+    assert_eq!(
+        report.batches, 4,
+        "batches of one row: 1 expire + 3 purge statements"
+    );
+    assert_eq!(h.ledger().await, 2);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+    assert_eq!(h.ledger_with("PROCESSING").await, 1);
+    assert_eq!(h.orders().await, 2, "sweeping never touches business rows");
+}
+
+/// Issue 5: a claim runs while a sweep of 100 000 rows is under way.
+pub async fn claims_run_while_a_large_sweep_runs<DB: ConformanceDb>(h: Harness<DB>) {
+    DB::seed_expired(&h.pool, 100_000).await;
+    let app = h.app();
+    // Tombstones are kept (the seeded rows expired in 1970).
+    let sweeper = Sweeper::new(h.pool.clone())
+        .with_tombstone_retention(Duration::from_secs(200 * 365 * 24 * 3600));
+    let sweep = tokio::spawn(async move {
+        let started = Instant::now();
+        let report = sweeper.sweep().await.unwrap();
+        (report, started, Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let claim_started = Instant::now();
+    let claim = send(&app, order(ALICE, KEY, BODY)).await;
+    let claim_done = Instant::now();
+    let (report, sweep_started, sweep_done) = sweep.await.unwrap();
+    assert_eq!(claim.status, StatusCode::CREATED, "{claim:?}");
+    assert_eq!(report.expired, 100_000);
+    assert!(report.batches >= 100, "bounded batches: {report:?}");
+    assert!(
+        sweep_started < claim_started && claim_done < sweep_done,
+        "the claim completed while the sweep was running (claim took {:?}, sweep took {:?})",
+        claim_done - claim_started,
+        sweep_done - sweep_started,
+    );
+    println!(
+        "[{}] sweep of 100 000 rows: {} batches in {:?}; a claim during it took {:?}",
+        DB::LABEL,
+        report.batches,
+        sweep_done - sweep_started,
+        claim_done - claim_started
+    );
+    assert_eq!(h.ledger_with("EXPIRED").await, 100_000);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
 }

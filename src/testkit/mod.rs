@@ -85,6 +85,10 @@ pub trait ConformanceDb: Backend + Sized {
         pool: &Pool<Self>,
         conn: &mut Self::Connection,
     ) -> impl Future<Output = bool> + Send;
+    /// Inserts `n` committed `SUCCEEDED` ledger rows of principal `bulk`,
+    /// already past their `expires_at`, in as few statements as the
+    /// database allows.
+    fn seed_expired(pool: &Pool<Self>, n: u32) -> impl Future<Output = ()> + Send;
 }
 
 /// One case's world: a fresh database, an execution counter, the test app.
@@ -296,6 +300,7 @@ impl<DB: ConformanceDb> Harness<DB> {
                 "SELECT COUNT(*) FROM idempotency_records WHERE status = 'FAILED_FINAL'"
             }
             "PROCESSING" => "SELECT COUNT(*) FROM idempotency_records WHERE status = 'PROCESSING'",
+            "EXPIRED" => "SELECT COUNT(*) FROM idempotency_records WHERE status = 'EXPIRED'",
             other => panic!("unknown status {other}"),
         };
         DB::count(&self.pool, sql).await
@@ -392,6 +397,10 @@ macro_rules! conformance_suite {
             held_transaction_handle_commits_nothing,
             lost_connection_commits_nothing_and_retry_runs_once,
             unguarded_methods_pass_through,
+            answers_advertise_the_key_expiry,
+            hashed_keys_keep_the_guarantees,
+            sweep_tombstones_expired_rows_and_purges_them_later,
+            claims_run_while_a_large_sweep_runs,
         );
     };
 }
