@@ -127,6 +127,13 @@
 //! replays for its retention (24 hours by default) and is refused with `410`
 //! afterwards, never executed again.
 //!
+//! # Observability
+//!
+//! Each guarded request runs in a `tracing` span `idempotency` with its
+//! outcome and the claim, handler and commit timings; keys appear only
+//! hashed and bodies never. With the `metrics` feature the layer also counts
+//! outcomes and records claim latency. See [`IdempotencyOutcome::label`].
+//!
 //! # What is not covered
 //!
 //! The guarantee covers what the handler writes through [`Tx`]. A call to
@@ -143,6 +150,7 @@ mod expiry;
 mod fingerprint;
 mod key;
 mod layer;
+mod observe;
 pub mod problem;
 mod replay;
 mod scope;

@@ -16,6 +16,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use pin_project_lite::pin_project;
 use sqlx::{Pool, Transaction};
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::body::IdempotencyBody;
 use crate::classify::{Classification, ResourceId};
@@ -23,6 +24,7 @@ use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, expires_at, http_date, is_expired, 
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::layer::Config;
+use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
 use crate::scope::{bounded, default_operation, hashed};
@@ -145,8 +147,13 @@ where
             pool: self.pool.clone(),
             config: Arc::clone(&self.config),
         };
+        let guarded = async move {
+            let res = run.guarded(inner, req).await;
+            observe::finish(res.as_ref().ok().and_then(|r| r.extensions().get()));
+            res
+        };
         ResponseFuture {
-            inner: Box::pin(run.guarded(inner, req)),
+            inner: Box::pin(guarded.instrument(observe::span())),
         }
     }
 }
@@ -267,6 +274,7 @@ impl<DB: Backend> Run<DB> {
             Some(op) => op.to_string(),
             None => default_operation(&parts),
         };
+        observe::scope(&operation, key.as_str());
         let principal = bounded(principal.as_str());
         let operation = bounded(&operation);
         let key = if cfg.hash_keys {
@@ -282,7 +290,10 @@ impl<DB: Backend> Run<DB> {
             },
             fingerprint,
         };
-        match self.claim(&id).await {
+        let claiming = Instant::now();
+        let claimed = self.claim(&id).await;
+        observe::timing("claim_ms", claiming.elapsed());
+        match claimed {
             Claimed::Won(tx, expires_at) => {
                 self.execute(inner, &id, (tx, expires_at), parts, body)
                     .await
@@ -443,10 +454,12 @@ impl<DB: Backend> Run<DB> {
         let handle = Tx::new(tx);
         let mut req = Request::from_parts(parts, IdempotencyBody::buffered(body));
         req.extensions_mut().insert(handle.clone());
+        let handling = Instant::now();
         let result = CatchUnwind {
             inner: inner.call(req),
         }
         .await;
+        observe::timing("handler_ms", handling.elapsed());
         let tx = handle.take();
         drop(handle);
         let res = match result {
@@ -538,7 +551,10 @@ impl<DB: Backend> Run<DB> {
             add_expiry(res.headers_mut(), expires_at);
             Ok(buffered(res, outcome))
         };
-        match tx.commit().await {
+        let committing = Instant::now();
+        let committed = tx.commit().await;
+        observe::timing("commit_ms", committing.elapsed());
+        match committed {
             Ok(()) => respond(stored.body),
             Err(e) if DB::error_kind(&e) == StoreErrorKind::ConnectionLost => {
                 // The commit may or may not have landed: ask the ledger.

@@ -1,0 +1,98 @@
+//! What the layer tells operators: a `tracing` span per guarded request and,
+//! with the `metrics` feature, counters and a claim-latency histogram.
+//!
+//! Span `idempotency` (level INFO) with fields `operation`, `key_hash` (the
+//! first 8 bytes of SHA-256 of the key, hex: keys can carry personal data and
+//! are never logged raw), `outcome`, `claim_ms`, `handler_ms`, `commit_ms`.
+//! One event closes each guarded request: DEBUG for the expected outcomes,
+//! WARN for store failures, unconfirmed commits and held transactions.
+//! Request and response bodies are never logged.
+//!
+//! Metrics (feature `metrics`, through the `metrics` facade):
+//! `idempotency_requests_total{outcome}` and the histogram
+//! `idempotency_claim_seconds` (time from the first ledger read to an owned
+//! claim or a settled answer). Outcome labels are [`IdempotencyOutcome::label`].
+
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use tracing::Span;
+
+use crate::classify::Classification;
+use crate::problem::ProblemKind;
+use crate::service::IdempotencyOutcome;
+
+impl IdempotencyOutcome {
+    /// A stable label for logs and metrics: `claimed`, `replayed`,
+    /// `mismatch`, `in-flight`, `unconfirmed`, `expired`,
+    /// `transient-rollback`, `final-failure`, `rejected`, `refused` (bad
+    /// input), `store-unavailable`, `commit-unknown`, `unguarded`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Unguarded => "unguarded",
+            Self::Executed(Classification::Success) => "claimed",
+            Self::Executed(Classification::FinalFailure) => "final-failure",
+            Self::Executed(Classification::Transient) => "transient-rollback",
+            Self::Executed(Classification::Rejected) => "rejected",
+            Self::Replayed => "replayed",
+            Self::Refused { problem, .. } => match problem {
+                ProblemKind::KeyReused => "mismatch",
+                ProblemKind::InFlight => "in-flight",
+                ProblemKind::Unconfirmed => "unconfirmed",
+                ProblemKind::Expired => "expired",
+                ProblemKind::StoreUnavailable => "store-unavailable",
+                ProblemKind::CommitUnknown => "commit-unknown",
+                ProblemKind::ResponseTooLarge
+                | ProblemKind::ResponseUnreadable
+                | ProblemKind::TransactionHeld => "transient-rollback",
+                _ => "refused",
+            },
+        }
+    }
+}
+
+/// The span a guarded request runs in.
+pub(crate) fn span() -> Span {
+    tracing::info_span!(
+        "idempotency",
+        operation = tracing::field::Empty,
+        key_hash = tracing::field::Empty,
+        outcome = tracing::field::Empty,
+        claim_ms = tracing::field::Empty,
+        handler_ms = tracing::field::Empty,
+        commit_ms = tracing::field::Empty,
+    )
+}
+
+/// Names the scope on the current span, with the key hashed.
+pub(crate) fn scope(operation: &str, key: &str) {
+    let digest = Sha256::digest(key.as_bytes());
+    let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let span = Span::current();
+    span.record("operation", operation);
+    span.record("key_hash", hash.as_str());
+}
+
+/// Records a phase's duration on the current span.
+pub(crate) fn timing(field: &'static str, took: Duration) {
+    Span::current().record(field, took.as_secs_f64() * 1000.0);
+    #[cfg(feature = "metrics")]
+    if field == "claim_ms" {
+        metrics::histogram!("idempotency_claim_seconds").record(took.as_secs_f64());
+    }
+}
+
+/// Closes a guarded request: outcome on the span, one event, one count.
+pub(crate) fn finish(outcome: Option<&IdempotencyOutcome>) {
+    let label = outcome.map_or("error", IdempotencyOutcome::label);
+    Span::current().record("outcome", label);
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_requests_total", "outcome" => label).increment(1);
+    match label {
+        "store-unavailable" | "commit-unknown" | "error" => {
+            tracing::warn!(outcome = label, "idempotent request not settled")
+        }
+        "transient-rollback" => tracing::debug!(outcome = label, "idempotent request rolled back"),
+        _ => tracing::debug!(outcome = label, "idempotent request finished"),
+    }
+}

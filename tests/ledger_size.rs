@@ -1,0 +1,48 @@
+//! The documented size of a ledger row, measured: PostgreSQL table plus
+//! indexes, for realistic rows (UUID key, 300-byte JSON answer).
+
+use tower_idempotency::testkit::ConformanceDb;
+
+#[tokio::test]
+async fn bytes_per_ledger_row_on_postgres() {
+    let (pool, _cleanup) = <sqlx::Postgres as ConformanceDb>::fresh().await;
+    let rows: i64 = 20_000;
+    let body = format!(
+        r#"{{"orderId":"o-5d23b4ca48fed6a5","principal":"user-4242","currency":"KRW","items":[{{"sku":"A-10","qty":2}}],"amount":12000,"memo":"{}","createdAt":1795963187878}}"#,
+        "m".repeat(150)
+    );
+    assert!((290..=310).contains(&body.len()), "{}", body.len());
+    sqlx::query(
+        "INSERT INTO idempotency_records SELECT 'user-' || (g % 1000), 'create-order', \
+         md5(g::text)::uuid::text, sha256(g::text::bytea), 'SUCCEEDED', 201, \
+         convert_to('content-type:application/json' || chr(10) || 'location:/orders/o-5d23b4ca48fed6a5' || chr(10), 'UTF8'), \
+         convert_to($2, 'UTF8'), 'o-5d23b4ca48fed6a5', 1795963187878, 1796049587878 \
+         FROM generate_series(1, $1) AS g",
+    )
+    .bind(rows)
+    .bind(&body)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::raw_sql("VACUUM ANALYZE idempotency_records")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (table, total): (i64, i64) = sqlx::query_as(
+        "SELECT pg_table_size('idempotency_records'), pg_total_relation_size('idempotency_records')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let per_row = total / rows;
+    println!(
+        "ledger row on PostgreSQL: {} bytes heap, {} bytes with indexes ({} rows, {}-byte answers)",
+        table / rows,
+        per_row,
+        rows,
+        body.len()
+    );
+    // The README states about 720 bytes per row for this shape; a layout
+    // change that doubles it should be noticed.
+    assert!((400..=900).contains(&per_row), "{per_row} bytes per row");
+}
