@@ -45,4 +45,26 @@ async fn bytes_per_ledger_row_on_postgres() {
     // The README states about 720 bytes per row for this shape; a layout
     // change that doubles it should be noticed.
     assert!((400..=900).contains(&per_row), "{per_row} bytes per row");
+
+    // The same rows as tombstones (answers dropped), after the table is rewritten.
+    let sweeper = tower_idempotency::Sweeper::new(pool.clone())
+        .with_batch_size(5000)
+        .with_tombstone_retention(std::time::Duration::from_secs(1 << 40));
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(10 * 24 * 3600);
+    let report = sweeper.sweep_at(later).await.unwrap();
+    assert_eq!(report.expired, rows as u64);
+    sqlx::raw_sql("VACUUM FULL idempotency_records")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let total: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('idempotency_records')")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let per_tombstone = total / rows;
+    println!("tombstone on PostgreSQL: {per_tombstone} bytes with indexes");
+    assert!(
+        per_tombstone < per_row / 2,
+        "{per_tombstone} bytes per tombstone"
+    );
 }
