@@ -61,6 +61,7 @@ pub(crate) struct Config {
     pub(crate) replayed_header: bool,
     pub(crate) recorded_headers: Vec<HeaderName>,
     pub(crate) hash_keys: bool,
+    pub(crate) read_first: bool,
     pub(crate) resource_link: Option<ResourceLinkFn>,
 }
 
@@ -84,6 +85,7 @@ impl std::fmt::Debug for Config {
             .field("replayed_header", &self.replayed_header)
             .field("recorded_headers", &self.recorded_headers)
             .field("hash_keys", &self.hash_keys)
+            .field("read_first", &self.read_first)
             .finish_non_exhaustive()
     }
 }
@@ -138,6 +140,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 replayed_header: true,
                 recorded_headers: vec![header::CONTENT_TYPE, header::LOCATION],
                 hash_keys: false,
+                read_first: false,
                 resource_link: None,
             },
         }
@@ -284,6 +287,18 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     #[must_use]
     pub fn with_hashed_keys(mut self, hashed: bool) -> Self {
         self.config.hash_keys = hashed;
+        self
+    }
+
+    /// Whether a request reads the ledger before claiming. With `false` a
+    /// first execution costs no extra read (the claim insert comes first and
+    /// a lost claim is explained by one read); with `true` a replay costs a
+    /// single read and no transaction, and a first execution one read more.
+    /// Choose `true` when retries are a large share of the traffic. Either
+    /// way the unique constraint decides. The default is `false`.
+    #[must_use]
+    pub fn with_read_first(mut self, read_first: bool) -> Self {
+        self.config.read_first = read_first;
         self
     }
 

@@ -308,10 +308,18 @@ impl<DB: Backend> Run<DB> {
         let cfg = &self.config;
         let deadline = Instant::now() + cfg.claim_deadline;
         let mut attempts = 0;
+        // Claim first by default: a first execution then costs no read.
+        // Retries after a contended attempt read first.
+        let mut read_first = cfg.read_first;
         let pending = loop {
             attempts += 1;
-            // The read-only fast path: a replay costs this one read.
-            let pending = match self.lookup(id).await {
+            let settled = if read_first {
+                self.lookup(id).await
+            } else {
+                Ok(None)
+            };
+            read_first = true;
+            let pending = match settled {
                 Ok(Some(Verdict::Answer(answer))) => return Claimed::Answer(answer),
                 Ok(Some(Verdict::InFlight)) => ProblemKind::InFlight,
                 Ok(None) => match self.try_claim(id, deadline).await {
@@ -353,8 +361,8 @@ impl<DB: Backend> Run<DB> {
         ))
     }
 
-    /// One claim attempt: `Ok(Some)` owns the scope, `Ok(None)` lost it to a
-    /// committed row.
+    /// One claim attempt: `Ok(Some)` owns the scope (past the savepoint),
+    /// `Ok(None)` lost it to a committed row.
     async fn try_claim(
         &self,
         id: &Identity<'_>,
@@ -365,7 +373,6 @@ impl<DB: Backend> Run<DB> {
             .in_flight_wait
             .min(deadline.saturating_duration_since(Instant::now()))
             .max(Duration::from_millis(1));
-        let mut tx = DB::begin_claim(&self.pool, wait).await?;
         let now = now_ms();
         let claim = Claim {
             scope: id.scope,
@@ -373,23 +380,9 @@ impl<DB: Backend> Run<DB> {
             created_at: now,
             expires_at: expires_at(now, cfg.retention),
         };
-        let won = DB::try_claim(&mut tx, &claim).await;
-        match won {
-            Ok(true) => {
-                DB::savepoint(&mut tx).await?;
-                Ok(Some((tx, claim.expires_at)))
-            }
-            Ok(false) => {
-                // Some drivers refuse further statements after a conflict;
-                // end this transaction and read on a fresh one.
-                let _ = tx.rollback().await;
-                Ok(None)
-            }
-            Err(e) => {
-                let _ = tx.rollback().await;
-                Err(e)
-            }
-        }
+        Ok(DB::claim(&self.pool, &claim, wait)
+            .await?
+            .map(|tx| (tx, claim.expires_at)))
     }
 
     /// Reads the committed record and decides what it means for `id`.

@@ -152,27 +152,20 @@ pub trait Backend: Database {
     /// Creates the ledger table and index if missing. Safe to re-run.
     fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-    /// Begins the transaction that claims a scope and is handed to the
-    /// handler. Waits for another claimer's lock at most about `lock_wait`.
-    fn begin_claim(
+    /// Claims a scope: begins the transaction that is handed to the
+    /// handler, inserts the `PROCESSING` row, and takes the savepoint that
+    /// final business errors roll back to. `Ok(Some)`: this transaction owns
+    /// the scope. `Ok(None)`: a committed row already holds it (nothing is
+    /// left open). Waits for another claimer's uncommitted row at most about
+    /// `lock_wait`, then fails with an error of kind
+    /// [`StoreErrorKind::LockTimeout`].
+    fn claim(
         pool: &Pool<Self>,
-        lock_wait: Duration,
-    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
-
-    /// Inserts the `PROCESSING` row. `Ok(true)`: this transaction owns the
-    /// scope. `Ok(false)`: a committed row already holds it.
-    fn try_claim(
-        conn: &mut Self::Connection,
         claim: &Claim<'_>,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+        lock_wait: Duration,
+    ) -> impl Future<Output = Result<Option<Transaction<'static, Self>>, sqlx::Error>> + Send;
 
-    /// Marks the point after the claim that final business errors roll back
-    /// to, and lifts any lock bound `begin_claim` set for the claim.
-    fn savepoint(
-        conn: &mut Self::Connection,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
-
-    /// Rolls back to the point set by [`savepoint`](Backend::savepoint).
+    /// Rolls back to the savepoint taken by [`claim`](Backend::claim).
     fn rollback_to_savepoint(
         conn: &mut Self::Connection,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
@@ -266,7 +259,7 @@ fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
 
 /// Stamps out the statements every backend shares, given its SQL text.
 macro_rules! shared_statements {
-    ($db:ty, insert = $insert:expr, complete = $complete:expr, fetch = $fetch:expr,
+    ($db:ty, complete = $complete:expr, fetch = $fetch:expr,
      expire = $expire:expr, purge = $purge:expr $(,)?) => {
         async fn expire_batch(
             pool: &sqlx::Pool<$db>,
@@ -292,32 +285,6 @@ macro_rules! shared_statements {
                 .execute(pool)
                 .await?;
             Ok(done.rows_affected())
-        }
-
-        async fn try_claim(
-            conn: &mut <$db as sqlx::Database>::Connection,
-            claim: &$crate::store::Claim<'_>,
-        ) -> Result<bool, sqlx::Error> {
-            let done = sqlx::query($insert)
-                .bind(claim.scope.principal)
-                .bind(claim.scope.operation)
-                .bind(claim.scope.key)
-                .bind(claim.fingerprint)
-                .bind(claim.created_at)
-                .bind(claim.expires_at)
-                .execute(&mut *conn)
-                .await;
-            match done {
-                Ok(done) => Ok(done.rows_affected() == 1),
-                // The driver's own signal, never a parsed message.
-                Err(e)
-                    if e.as_database_error()
-                        .is_some_and(|d| d.is_unique_violation()) =>
-                {
-                    Ok(false)
-                }
-                Err(e) => Err(e),
-            }
         }
 
         async fn rollback_to_savepoint(
@@ -368,3 +335,51 @@ macro_rules! shared_statements {
     };
 }
 use shared_statements;
+
+/// Stamps out [`Backend::claim`] as three statements with bound parameters:
+/// `begin`, the claim `insert` (a duplicate key is the driver's
+/// unique-violation error, or zero rows), then the savepoint.
+macro_rules! claim_by_statements {
+    ($db:ty, begin = |$pool:ident, $wait:ident| $begin:expr, insert = $insert:expr $(,)?) => {
+        async fn claim(
+            $pool: &sqlx::Pool<$db>,
+            claim: &$crate::store::Claim<'_>,
+            $wait: std::time::Duration,
+        ) -> Result<Option<sqlx::Transaction<'static, $db>>, sqlx::Error> {
+            let mut tx = $begin.await?;
+            let inserted = sqlx::query($insert)
+                .bind(claim.scope.principal)
+                .bind(claim.scope.operation)
+                .bind(claim.scope.key)
+                .bind(claim.fingerprint)
+                .bind(claim.created_at)
+                .bind(claim.expires_at)
+                .execute(&mut *tx)
+                .await;
+            let won = match inserted {
+                Ok(done) => done.rows_affected() == 1,
+                // The driver's own signal, never a parsed message.
+                Err(e)
+                    if e.as_database_error()
+                        .is_some_and(|d| d.is_unique_violation()) =>
+                {
+                    false
+                }
+                Err(e) => {
+                    // Some drivers refuse further statements after an error.
+                    let _ = tx.rollback().await;
+                    return Err(e);
+                }
+            };
+            if !won {
+                tx.rollback().await?;
+                return Ok(None);
+            }
+            sqlx::raw_sql("SAVEPOINT tower_idempotency_claimed")
+                .execute(&mut *tx)
+                .await?;
+            Ok(Some(tx))
+        }
+    };
+}
+use claim_by_statements;

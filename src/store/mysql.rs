@@ -1,11 +1,9 @@
 //! MySQL and MariaDB (InnoDB).
 
-use std::time::Duration;
-
 use sqlx::mysql::{MySql, MySqlDatabaseError};
-use sqlx::{AssertSqlSafe, Pool, Transaction};
+use sqlx::{AssertSqlSafe, Pool};
 
-use super::{Backend, StoreErrorKind, generic_error_kind, shared_statements};
+use super::{Backend, StoreErrorKind, claim_by_statements, generic_error_kind, shared_statements};
 
 impl Backend for MySql {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
@@ -17,38 +15,30 @@ impl Backend for MySql {
         .map(drop)
     }
 
-    async fn begin_claim(
-        pool: &Pool<Self>,
-        lock_wait: Duration,
-    ) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        // InnoDB counts lock waits in whole seconds (at least 1). The setting
-        // is per session, so it stays on the pooled connection; READ COMMITTED
-        // lets the read after a lost claim see the winner's row.
-        let secs = lock_wait.as_secs_f64().ceil().clamp(1.0, 3600.0) as u64;
-        pool.begin_with(AssertSqlSafe(format!(
-            "SET SESSION innodb_lock_wait_timeout = {secs}; \
-             SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
-        )))
-        .await
-    }
-
-    async fn savepoint(conn: &mut Self::Connection) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql("SAVEPOINT tower_idempotency_claimed")
-            .execute(&mut *conn)
-            .await
-            .map(drop)
-    }
-
-    shared_statements!(
+    // InnoDB counts lock waits in whole seconds (at least 1). The setting is
+    // per session, so it stays on the pooled connection; READ COMMITTED lets
+    // the read after a lost claim see the winner's row. A plain insert: a
+    // duplicate key is the driver's unique-violation error (which ends the
+    // statement, not the transaction). Not `ON DUPLICATE KEY UPDATE`, whose
+    // affected-row count is 1 for a no-op update when the client asks for
+    // found rows, as sqlx does; not `INSERT IGNORE`, which also swallows
+    // unrelated errors.
+    claim_by_statements!(
         MySql,
-        // A plain insert: a duplicate key is the driver's unique-violation
-        // error (which ends the statement, not the transaction). Not
-        // `ON DUPLICATE KEY UPDATE`, whose affected-row count is 1 for a
-        // no-op update when the client asks for found rows, as sqlx does;
-        // not `INSERT IGNORE`, which also swallows unrelated errors.
+        begin = |pool, lock_wait| {
+            let secs = lock_wait.as_secs_f64().ceil().clamp(1.0, 3600.0) as u64;
+            pool.begin_with(AssertSqlSafe(format!(
+                "SET SESSION innodb_lock_wait_timeout = {secs}; \
+                 SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
+            )))
+        },
         insert = "INSERT INTO idempotency_records \
                   (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
                   VALUES (?, ?, ?, ?, 'PROCESSING', ?, ?)",
+    );
+
+    shared_statements!(
+        MySql,
         complete = "UPDATE idempotency_records SET status = ?, response_status = ?, \
                     response_headers = ?, response_body = ?, resource_id = ? \
                     WHERE principal_id = ? AND operation = ? AND idem_key = ?",

@@ -1,11 +1,9 @@
 //! SQLite: the embedded default.
 
-use std::time::Duration;
-
+use sqlx::Pool;
 use sqlx::sqlite::Sqlite;
-use sqlx::{Pool, Transaction};
 
-use super::{Backend, StoreErrorKind, generic_error_kind, shared_statements};
+use super::{Backend, StoreErrorKind, claim_by_statements, generic_error_kind, shared_statements};
 
 impl Backend for Sqlite {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
@@ -17,29 +15,20 @@ impl Backend for Sqlite {
         .map(drop)
     }
 
-    async fn begin_claim(
-        pool: &Pool<Self>,
-        _lock_wait: Duration,
-    ) -> Result<Transaction<'static, Self>, sqlx::Error> {
-        // Take the write lock up front: SQLite has one writer, and a deferred
-        // transaction that read first could not upgrade after waiting. The
-        // wait is bounded by the connection's busy_timeout.
-        pool.begin_with("BEGIN IMMEDIATE").await
-    }
-
-    async fn savepoint(conn: &mut Self::Connection) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql("SAVEPOINT tower_idempotency_claimed")
-            .execute(&mut *conn)
-            .await
-            .map(drop)
-    }
-
-    shared_statements!(
+    // Take the write lock up front: SQLite has one writer, and a deferred
+    // transaction that read first could not upgrade after waiting. The wait
+    // is bounded by the connection's busy_timeout.
+    claim_by_statements!(
         Sqlite,
+        begin = |pool, _lock_wait| pool.begin_with("BEGIN IMMEDIATE"),
         insert = "INSERT INTO idempotency_records \
                   (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
                   VALUES (?, ?, ?, ?, 'PROCESSING', ?, ?) \
                   ON CONFLICT (principal_id, operation, idem_key) DO NOTHING",
+    );
+
+    shared_statements!(
+        Sqlite,
         complete = "UPDATE idempotency_records SET status = ?, response_status = ?, \
                     response_headers = ?, response_body = ?, resource_id = ? \
                     WHERE principal_id = ? AND operation = ? AND idem_key = ?",

@@ -1,0 +1,567 @@
+//! What the guarantee costs: the layered create-order against the same
+//! business transaction without the layer, measured in one run on
+//! PostgreSQL, over loopback HTTP, at concurrency 1, 8 and 64.
+//!
+//! ```sh
+//! cargo bench --bench load            # PG_URL overrides the server
+//! ```
+//!
+//! Prints a table (throughput, p50/p99, ratio to the baseline), database work
+//! per request from `pg_stat_database`, a duplicate-storm check, the peak
+//! RSS of the example service under 1 000 concurrent 64 KiB requests, and
+//! writes `docs/throughput.svg`. Every phase is bounded by time and count.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Extension, Json, Router};
+use bytes::Bytes;
+use http::Request;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use serde::Deserialize;
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::{Connection, Executor, PgConnection, Postgres};
+use tower_idempotency::{IdempotencyLayer, Principal, Tx};
+
+const PHASE: Duration = Duration::from_secs(4);
+const MAX_REQUESTS: u64 = 200_000;
+const CONCURRENCY: [usize; 3] = [1, 8, 64];
+const ORDER: &str = r#"{"currency":"KRW","items":[{"sku":"A-10","qty":1}],"amount":12000}"#;
+
+#[derive(Deserialize)]
+struct CreateOrder {
+    currency: String,
+    items: Vec<Item>,
+    amount: i64,
+}
+
+#[derive(Deserialize)]
+struct Item {
+    sku: String,
+    qty: i64,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The example's create-order business writes: order, items, stock.
+async fn business(
+    conn: &mut PgConnection,
+    principal: &str,
+    order: &CreateOrder,
+) -> sqlx::Result<Response> {
+    let id = format!("o-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
+    sqlx::query("INSERT INTO orders (id, principal, currency, amount) VALUES ($1, $2, $3, $4)")
+        .bind(&id)
+        .bind(principal)
+        .bind(&order.currency)
+        .bind(order.amount)
+        .execute(&mut *conn)
+        .await?;
+    for (line, item) in (1i64..).zip(&order.items) {
+        sqlx::query("INSERT INTO order_items (order_id, line, sku, qty) VALUES ($1, $2, $3, $4)")
+            .bind(&id)
+            .bind(line)
+            .bind(&item.sku)
+            .bind(item.qty)
+            .execute(&mut *conn)
+            .await?;
+        let done = sqlx::query("UPDATE stock SET qty = qty - $1 WHERE sku = $2 AND qty >= $1")
+            .bind(item.qty)
+            .bind(&item.sku)
+            .execute(&mut *conn)
+            .await?;
+        if done.rows_affected() != 1 {
+            return Ok((StatusCode::CONFLICT, "out of stock").into_response());
+        }
+    }
+    let body = serde_json::json!({"orderId": id, "principal": principal, "amount": order.amount});
+    Ok((StatusCode::CREATED, Json(body)).into_response())
+}
+
+async fn bare(State(pool): State<PgPool>, Json(order): Json<CreateOrder>) -> Response {
+    let run = async {
+        let mut tx = pool.begin().await?;
+        let res = business(&mut tx, "user-42", &order).await?;
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(res)
+    };
+    run.await
+        .unwrap_or_else(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response())
+}
+
+async fn layered(
+    Extension(p): Extension<Principal>,
+    tx: Tx<Postgres>,
+    Json(order): Json<CreateOrder>,
+) -> Response {
+    let Ok(mut conn) = tx.lock() else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    business(&mut conn, p.as_str(), &order)
+        .await
+        .unwrap_or_else(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response())
+}
+
+async fn principal(mut req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    req.extensions_mut().insert(Principal::new("user-42"));
+    next.run(req).await
+}
+
+fn app(pool: PgPool, with_layer: bool) -> Router {
+    if with_layer {
+        Router::new()
+            .route(
+                "/orders",
+                post(layered).layer(IdempotencyLayer::new(pool.clone())),
+            )
+            .layer(axum::middleware::from_fn(principal))
+            .with_state(pool)
+    } else {
+        Router::new().route("/orders", post(bare)).with_state(pool)
+    }
+}
+
+/// A server on its own pool; closing the pool flushes its backends' stats.
+struct Server {
+    addr: std::net::SocketAddr,
+    pool: PgPool,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn serve(url: &str, with_layer: bool) -> Server {
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .connect(url)
+        .await
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = app(pool.clone(), with_layer);
+    let task = tokio::spawn(async move {
+        axum::serve(listener, router).await.unwrap();
+    });
+    Server { addr, pool, task }
+}
+
+impl Server {
+    async fn stop(self) {
+        self.task.abort();
+        self.pool.close().await;
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Keys {
+    None,
+    Unique,
+    One,
+}
+
+struct Run {
+    requests: u64,
+    elapsed: Duration,
+    latencies: Vec<Duration>,
+    statuses: std::collections::BTreeMap<u16, u64>,
+}
+
+impl Run {
+    fn rps(&self) -> f64 {
+        self.requests as f64 / self.elapsed.as_secs_f64()
+    }
+    fn pct(&self, p: f64) -> Duration {
+        let mut l = self.latencies.clone();
+        l.sort_unstable();
+        l.get(((l.len() as f64 * p) as usize).min(l.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or_default()
+    }
+}
+
+static KEY_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// `workers` keep-alive connections sending as fast as answers come back.
+async fn load(
+    addr: std::net::SocketAddr,
+    workers: usize,
+    keys: Keys,
+    body: &'static str,
+    phase: Duration,
+) -> Run {
+    let started = Instant::now();
+    let deadline = started + phase;
+    let count = Arc::new(AtomicU64::new(0));
+    let tasks: Vec<_> = (0..workers)
+        .map(|_| {
+            let count = Arc::clone(&count);
+            tokio::spawn(async move {
+                let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+                stream.set_nodelay(true).unwrap();
+                let (mut sender, conn) =
+                    hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                        .await
+                        .unwrap();
+                tokio::spawn(conn);
+                let mut latencies = Vec::new();
+                let mut statuses = std::collections::BTreeMap::new();
+                while Instant::now() < deadline
+                    && count.fetch_add(1, Ordering::Relaxed) < MAX_REQUESTS
+                {
+                    let mut req = Request::post("/orders")
+                        .header("host", "bench")
+                        .header("content-type", "application/json");
+                    match keys {
+                        Keys::None => {}
+                        Keys::Unique => {
+                            req = req.header(
+                                "idempotency-key",
+                                format!("k-{}", KEY_SEQ.fetch_add(1, Ordering::Relaxed)),
+                            )
+                        }
+                        Keys::One => req = req.header("idempotency-key", "the-one-key"),
+                    }
+                    let req = req
+                        .body(Full::new(Bytes::from_static(body.as_bytes())))
+                        .unwrap();
+                    let t = Instant::now();
+                    sender.ready().await.unwrap();
+                    let res = sender.send_request(req).await.unwrap();
+                    let status = res.status().as_u16();
+                    res.into_body().collect().await.unwrap();
+                    latencies.push(t.elapsed());
+                    *statuses.entry(status).or_insert(0) += 1;
+                }
+                (latencies, statuses)
+            })
+        })
+        .collect();
+    let mut run = Run {
+        requests: 0,
+        elapsed: Duration::ZERO,
+        latencies: Vec::new(),
+        statuses: Default::default(),
+    };
+    for t in tasks {
+        let (l, s) = t.await.unwrap();
+        run.latencies.extend(l);
+        for (k, v) in s {
+            *run.statuses.entry(k).or_insert(0) += v;
+        }
+    }
+    run.elapsed = started.elapsed();
+    run.requests = run.latencies.len() as u64;
+    run
+}
+
+#[derive(Default, Clone, Copy)]
+struct PgStats {
+    commits: i64,
+    rollbacks: i64,
+    inserted: i64,
+    updated: i64,
+    fetched: i64,
+}
+
+async fn pg_stats(admin: &str, db: &str) -> PgStats {
+    let mut c = PgConnection::connect(admin).await.unwrap();
+    let row: (i64, i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_fetched FROM pg_stat_database WHERE datname = $1",
+    )
+    .bind(db)
+    .fetch_one(&mut c)
+    .await
+    .unwrap();
+    c.close().await.unwrap();
+    PgStats {
+        commits: row.0,
+        rollbacks: row.1,
+        inserted: row.2,
+        updated: row.3,
+        fetched: row.4,
+    }
+}
+
+fn with_db(url: &str, db: &str) -> String {
+    let i = url.rfind('/').unwrap();
+    format!("{}/{db}", &url[..i])
+}
+
+#[tokio::main]
+async fn main() {
+    let admin = std::env::var("PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let db = format!("ti_bench_{}", std::process::id());
+    let mut c = PgConnection::connect(&admin)
+        .await
+        .expect("PostgreSQL on PG_URL");
+    c.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .await
+        .unwrap();
+    c.close().await.unwrap();
+    let url = with_db(&admin, &db);
+    let setup = PgPool::connect(&url).await.unwrap();
+    tower_idempotency::migrate(&setup).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE orders (id TEXT PRIMARY KEY, principal TEXT NOT NULL, currency TEXT NOT NULL, amount BIGINT NOT NULL);
+         CREATE TABLE order_items (order_id TEXT NOT NULL REFERENCES orders (id), line BIGINT NOT NULL, sku TEXT NOT NULL, qty BIGINT NOT NULL, PRIMARY KEY (order_id, line));
+         CREATE TABLE stock (sku TEXT PRIMARY KEY, qty BIGINT NOT NULL CHECK (qty >= 0));
+         INSERT INTO stock VALUES ('A-10', 1000000000);",
+    )
+    .execute(&setup)
+    .await
+    .unwrap();
+    setup.close().await;
+
+    println!(
+        "tower-idempotency load benchmark: PostgreSQL, loopback HTTP/1.1, {} s per phase, {} cores",
+        PHASE.as_secs(),
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    println!();
+    println!("| scenario | concurrency | req/s | p50 ms | p99 ms | vs baseline | statuses |");
+    println!("|---|---|---|---|---|---|---|");
+    let mut plot: Vec<(usize, f64, f64, f64)> = Vec::new();
+    let mut work = Vec::new();
+    for &conc in &CONCURRENCY {
+        let mut measured = Vec::new();
+        for (name, layer, keys) in [
+            ("baseline (no layer)", false, Keys::None),
+            ("first execution", true, Keys::Unique),
+            ("replay", true, Keys::One),
+        ] {
+            let server = serve(&url, layer).await;
+            if matches!(keys, Keys::One) {
+                load(server.addr, 1, Keys::One, ORDER, Duration::from_millis(100)).await;
+            }
+            let before = pg_stats(&admin, &db).await;
+            let run = load(server.addr, conc, keys, ORDER, PHASE).await;
+            server.stop().await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let after = pg_stats(&admin, &db).await;
+            measured.push((name, run, before, after));
+        }
+        let base = measured[0].1.rps();
+        for (name, run, before, after) in &measured {
+            println!(
+                "| {name} | {conc} | {:.0} | {:.2} | {:.2} | {:.2} | {:?} |",
+                run.rps(),
+                run.pct(0.50).as_secs_f64() * 1e3,
+                run.pct(0.99).as_secs_f64() * 1e3,
+                run.rps() / base,
+                run.statuses
+            );
+            if conc == 8 {
+                let n = run.requests as f64;
+                // The stats reader's own transaction is one commit per read.
+                work.push(format!(
+                    "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |",
+                    (after.commits - before.commits - 1) as f64 / n,
+                    (after.rollbacks - before.rollbacks) as f64 / n,
+                    (after.inserted - before.inserted) as f64 / n,
+                    (after.updated - before.updated) as f64 / n,
+                    (after.fetched - before.fetched) as f64 / n,
+                ));
+            }
+        }
+        plot.push((conc, base, measured[1].1.rps(), measured[2].1.rps()));
+    }
+    println!();
+    println!("Database work per request (pg_stat_database deltas, concurrency 8):");
+    println!();
+    println!("| scenario | commits | rollbacks | rows inserted | rows updated | rows fetched |");
+    println!("|---|---|---|---|---|---|");
+    for w in &work {
+        println!("{w}");
+    }
+
+    storm(&url).await;
+    write_svg(&plot);
+
+    let mut c = PgConnection::connect(&admin).await.unwrap();
+    c.execute(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {db} WITH (FORCE)"
+    )))
+    .await
+    .unwrap();
+}
+
+/// 100 concurrent duplicates of one key while other keys flow: exactly one
+/// execution per burst, and the other keys' p99 against a run without bursts.
+async fn storm(url: &str) {
+    let server = serve(url, true).await;
+    let calm = load(server.addr, 8, Keys::Unique, ORDER, PHASE).await;
+    let addr = server.addr;
+    let bursts = tokio::spawn(async move {
+        let mut executions = Vec::new();
+        let end = Instant::now() + PHASE;
+        let mut n = 0;
+        while Instant::now() < end {
+            n += 1;
+            let key = format!("storm-{n}");
+            let tasks: Vec<_> = (0..100)
+                .map(|_| {
+                    let key = key.clone();
+                    tokio::spawn(async move {
+                        let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+                        let (mut sender, conn) =
+                            hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                                .await
+                                .unwrap();
+                        tokio::spawn(conn);
+                        let req = Request::post("/orders")
+                            .header("host", "bench")
+                            .header("content-type", "application/json")
+                            .header("idempotency-key", key)
+                            .body(Full::new(Bytes::from_static(ORDER.as_bytes())))
+                            .unwrap();
+                        let res = sender.send_request(req).await.unwrap();
+                        let status = res.status().as_u16();
+                        let body = res.into_body().collect().await.unwrap().to_bytes();
+                        (status, body)
+                    })
+                })
+                .collect();
+            let mut bodies = std::collections::BTreeSet::new();
+            let mut statuses = std::collections::BTreeMap::new();
+            for t in tasks {
+                let (s, b) = t.await.unwrap();
+                *statuses.entry(s).or_insert(0u32) += 1;
+                if s == 201 {
+                    bodies.insert(b);
+                }
+            }
+            executions.push((bodies.len(), statuses));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        executions
+    });
+    let stormy = load(server.addr, 8, Keys::Unique, ORDER, PHASE).await;
+    let executions = bursts.await.unwrap();
+    let pool = server.pool.clone();
+    let ledger: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM idempotency_records WHERE idem_key LIKE 'storm-%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    server.stop().await;
+    println!();
+    println!(
+        "Duplicate storm: {} bursts of 100 concurrent requests with one key each, while 8 workers send new keys:",
+        executions.len()
+    );
+    println!();
+    println!("| | other keys req/s | other keys p50 ms | other keys p99 ms |");
+    println!("|---|---|---|---|");
+    println!(
+        "| without bursts | {:.0} | {:.2} | {:.2} |",
+        calm.rps(),
+        calm.pct(0.5).as_secs_f64() * 1e3,
+        calm.pct(0.99).as_secs_f64() * 1e3
+    );
+    println!(
+        "| with bursts | {:.0} | {:.2} | {:.2} |",
+        stormy.rps(),
+        stormy.pct(0.5).as_secs_f64() * 1e3,
+        stormy.pct(0.99).as_secs_f64() * 1e3
+    );
+    println!();
+    println!(
+        "p99 ratio with/without bursts: {:.2}; distinct 201 bodies per burst: {:?}; ledger rows for the bursts: {ledger}; burst statuses: {:?}",
+        stormy.pct(0.99).as_secs_f64() / calm.pct(0.99).as_secs_f64(),
+        executions.iter().map(|e| e.0).collect::<Vec<_>>(),
+        executions.first().map(|e| &e.1),
+    );
+    println!("other keys' statuses during bursts: {:?}", stormy.statuses);
+}
+
+fn write_svg(points: &[(usize, f64, f64, f64)]) {
+    let (w, h, pad) = (640.0, 400.0, 60.0);
+    let max = points
+        .iter()
+        .map(|p| p.1.max(p.2).max(p.3))
+        .fold(1.0, f64::max)
+        * 1.1;
+    let x = |i: usize| pad + (w - 2.0 * pad) * i as f64 / (points.len().max(2) - 1) as f64;
+    let y = |v: f64| h - pad - (h - 2.0 * pad) * v / max;
+    let line = |f: &dyn Fn(&(usize, f64, f64, f64)) -> f64| {
+        points
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("{:.1},{:.1}", x(i), y(f(p))))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let mut svg = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{}" y="24" text-anchor="middle" font-size="15">Throughput against concurrency (PostgreSQL, create-order)</text>
+<line x1="{pad}" y1="{}" x2="{}" y2="{}" stroke="black"/><line x1="{pad}" y1="{pad}" x2="{pad}" y2="{}" stroke="black"/>
+<text x="{}" y="{}" text-anchor="middle">concurrent clients</text>
+<text x="16" y="{}" transform="rotate(-90 16 {})" text-anchor="middle">requests per second</text>
+"#,
+        w / 2.0,
+        h - pad,
+        w - pad,
+        h - pad,
+        h - pad,
+        w / 2.0,
+        h - 20.0,
+        h / 2.0,
+        h / 2.0
+    );
+    for (i, p) in points.iter().enumerate() {
+        svg += &format!(
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
+            x(i),
+            h - pad + 16.0,
+            p.0
+        );
+    }
+    for t in 0..=4 {
+        let v = max * t as f64 / 4.0;
+        svg += &format!(
+            r##"<text x="{}" y="{:.1}" text-anchor="end">{:.0}</text><line x1="{pad}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="#ddd"/>"##,
+            pad - 6.0,
+            y(v) + 4.0,
+            v,
+            y(v),
+            w - pad,
+            y(v)
+        );
+    }
+    for (i, (name, color, f)) in [
+        (
+            "baseline (no layer)",
+            "#444",
+            (&|p: &(usize, f64, f64, f64)| p.1) as &dyn Fn(&(usize, f64, f64, f64)) -> f64,
+        ),
+        ("layered, first execution", "#d62728", &|p| p.2),
+        ("layered, replay", "#1f77b4", &|p| p.3),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        svg += &format!(
+            r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#,
+            line(f)
+        );
+        svg += &format!(
+            r#"<rect x="{}" y="{}" width="12" height="3" fill="{color}"/><text x="{}" y="{}">{name}</text>"#,
+            pad + 10.0,
+            pad + 10.0 + 16.0 * i as f64,
+            pad + 28.0,
+            pad + 15.0 + 16.0 * i as f64
+        );
+    }
+    svg += "</svg>\n";
+    std::fs::create_dir_all("docs").unwrap();
+    std::fs::write("docs/throughput.svg", svg).unwrap();
+    println!();
+    println!("wrote docs/throughput.svg");
+}
