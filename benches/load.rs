@@ -29,7 +29,8 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Connection, Executor, PgConnection, Postgres};
 use tower_idempotency::{IdempotencyLayer, Principal, Tx};
 
-const PHASE: Duration = Duration::from_secs(4);
+const PHASE: Duration = Duration::from_secs(3);
+const ROUNDS: usize = 2;
 const MAX_REQUESTS: u64 = 200_000;
 const CONCURRENCY: [usize; 3] = [1, 8, 64];
 const ORDER: &str = r#"{"currency":"KRW","items":[{"sku":"A-10","qty":1}],"amount":12000}"#;
@@ -171,6 +172,15 @@ struct Run {
 }
 
 impl Run {
+    fn absorb(&mut self, other: Run) {
+        self.requests += other.requests;
+        self.elapsed += other.elapsed;
+        self.latencies.extend(other.latencies);
+        for (k, v) in other.statuses {
+            *self.statuses.entry(k).or_insert(0) += v;
+        }
+    }
+
     fn rps(&self) -> f64 {
         self.requests as f64 / self.elapsed.as_secs_f64()
     }
@@ -267,6 +277,17 @@ struct PgStats {
     fetched: i64,
 }
 
+impl PgStats {
+    /// Adds `after - before`, less the stats reader's own transaction.
+    fn add_delta(&mut self, before: PgStats, after: PgStats) {
+        self.commits += after.commits - before.commits - 1;
+        self.rollbacks += after.rollbacks - before.rollbacks;
+        self.inserted += after.inserted - before.inserted;
+        self.updated += after.updated - before.updated;
+        self.fetched += after.fetched - before.fetched;
+    }
+}
+
 async fn pg_stats(admin: &str, db: &str) -> PgStats {
     let mut c = PgConnection::connect(admin).await.unwrap();
     let row: (i64, i64, i64, i64, i64) = sqlx::query_as(
@@ -328,25 +349,44 @@ async fn main() {
     let mut plot: Vec<(usize, f64, f64, f64)> = Vec::new();
     let mut work = Vec::new();
     for &conc in &CONCURRENCY {
-        let mut measured = Vec::new();
-        for (name, layer, keys) in [
+        let scenarios = [
             ("baseline (no layer)", false, Keys::None),
             ("first execution", true, Keys::Unique),
             ("replay", true, Keys::One),
-        ] {
-            let server = serve(&url, layer).await;
-            if matches!(keys, Keys::One) {
-                load(server.addr, 1, Keys::One, ORDER, Duration::from_millis(100)).await;
+        ];
+        let mut measured: Vec<(&str, Run, PgStats)> = scenarios
+            .iter()
+            .map(|s| {
+                (
+                    s.0,
+                    Run {
+                        requests: 0,
+                        elapsed: Duration::ZERO,
+                        latencies: Vec::new(),
+                        statuses: Default::default(),
+                    },
+                    PgStats::default(),
+                )
+            })
+            .collect();
+        // Rounds interleave the scenarios so drift on a shared machine hits all alike.
+        for _round in 0..ROUNDS {
+            for (i, &(_, layer, keys)) in scenarios.iter().enumerate() {
+                let server = serve(&url, layer).await;
+                if matches!(keys, Keys::One) {
+                    load(server.addr, 1, Keys::One, ORDER, Duration::from_millis(100)).await;
+                }
+                let before = pg_stats(&admin, &db).await;
+                let run = load(server.addr, conc, keys, ORDER, PHASE).await;
+                server.stop().await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let after = pg_stats(&admin, &db).await;
+                measured[i].1.absorb(run);
+                measured[i].2.add_delta(before, after);
             }
-            let before = pg_stats(&admin, &db).await;
-            let run = load(server.addr, conc, keys, ORDER, PHASE).await;
-            server.stop().await;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let after = pg_stats(&admin, &db).await;
-            measured.push((name, run, before, after));
         }
         let base = measured[0].1.rps();
-        for (name, run, before, after) in &measured {
+        for (name, run, delta) in &measured {
             println!(
                 "| {name} | {conc} | {:.0} | {:.2} | {:.2} | {:.2} | {:?} |",
                 run.rps(),
@@ -357,14 +397,13 @@ async fn main() {
             );
             if conc == 8 {
                 let n = run.requests as f64;
-                // The stats reader's own transaction is one commit per read.
                 work.push(format!(
                     "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |",
-                    (after.commits - before.commits - 1) as f64 / n,
-                    (after.rollbacks - before.rollbacks) as f64 / n,
-                    (after.inserted - before.inserted) as f64 / n,
-                    (after.updated - before.updated) as f64 / n,
-                    (after.fetched - before.fetched) as f64 / n,
+                    delta.commits as f64 / n,
+                    delta.rollbacks as f64 / n,
+                    delta.inserted as f64 / n,
+                    delta.updated as f64 / n,
+                    delta.fetched as f64 / n,
                 ));
             }
         }
@@ -381,6 +420,7 @@ async fn main() {
 
     storm(&url).await;
     write_svg(&plot);
+    peak_rss().await;
 
     let mut c = PgConnection::connect(&admin).await.unwrap();
     c.execute(sqlx::AssertSqlSafe(format!(
@@ -564,4 +604,123 @@ fn write_svg(points: &[(usize, f64, f64, f64)]) {
     std::fs::write("docs/throughput.svg", svg).unwrap();
     println!();
     println!("wrote docs/throughput.svg");
+}
+
+/// Peak RSS of the example service (its own process, SQLite) while 1 000
+/// clients each send a 64 KiB body at once, and while 1 000 send bodies
+/// declared over the 1 MiB limit.
+async fn peak_rss() {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .unwrap()
+        .join("examples")
+        .join("order_service");
+    if !bin.exists() {
+        println!(
+            "\n(peak RSS skipped: build the example first: cargo build --release --example order_service)"
+        );
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ti_rss_{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut child = tokio::process::Command::new(&bin)
+        .args(["--addr", "127.0.0.1:0"])
+        .env("DATABASE_URL", format!("sqlite://{}/rss.db", dir.display()))
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap();
+    let mut lines =
+        tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(child.stdout.take().unwrap()));
+    let line = lines.next_line().await.unwrap().unwrap();
+    let addr: std::net::SocketAddr = line
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let status = |field: &str| -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        s.lines()
+            .find(|l| l.starts_with(field))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let idle = status("VmRSS:");
+    // Valid JSON, 64 KiB: buffered in full and fingerprinted, then refused by
+    // the example's validation (memo too long) before any claim.
+    let body: &'static str = Box::leak(
+        format!(
+            r#"{{"currency":"KRW","items":[{{"sku":"A-10","qty":1}}],"amount":1,"memo":"{}"}}"#,
+            "m".repeat(64 * 1024 - 80)
+        )
+        .into_boxed_str(),
+    );
+    let burst = |body: &'static str, declared: Option<usize>| async move {
+        let tasks: Vec<_> = (0..1000)
+            .map(|i| {
+                tokio::spawn(async move {
+                    let stream = tokio::net::TcpStream::connect(addr).await.ok()?;
+                    let (mut sender, conn) =
+                        hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                            .await
+                            .ok()?;
+                    tokio::spawn(conn);
+                    let mut req = Request::post("/orders")
+                        .header("host", "bench")
+                        .header("content-type", "application/json")
+                        .header("authorization", "Bearer rss")
+                        .header("idempotency-key", format!("rss-{i}"));
+                    if let Some(len) = declared {
+                        req = req.header("content-length", len);
+                    }
+                    let res = sender
+                        .send_request(
+                            req.body(Full::new(Bytes::from_static(body.as_bytes())))
+                                .unwrap(),
+                        )
+                        .await
+                        .ok()?;
+                    Some(res.status().as_u16())
+                })
+            })
+            .collect();
+        let mut statuses = std::collections::BTreeMap::new();
+        for t in tasks {
+            *statuses
+                .entry(t.await.unwrap().unwrap_or(0))
+                .or_insert(0u32) += 1;
+        }
+        statuses
+    };
+    let statuses = burst(body, None).await;
+    let peak = status("VmHWM:");
+    let over: &'static str = Box::leak("x".repeat(16).into_boxed_str());
+    let over_statuses = burst(over, Some(2 * 1024 * 1024)).await;
+    let peak_after = status("VmHWM:");
+    child.kill().await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    println!();
+    println!("Memory of the example service (SQLite, separate process), 1 000 concurrent clients:");
+    println!();
+    println!("| | RSS |");
+    println!("|---|---|");
+    println!("| idle after start | {:.1} MiB |", idle as f64 / 1024.0);
+    println!(
+        "| peak, 1 000 x 64 KiB bodies (62.5 MiB in flight) | {:.1} MiB |",
+        peak as f64 / 1024.0
+    );
+    println!(
+        "| peak after 1 000 bodies declared at 2 MiB (limit 1 MiB) | {:.1} MiB |",
+        peak_after as f64 / 1024.0
+    );
+    println!();
+    println!("statuses: 64 KiB {statuses:?}; declared 2 MiB {over_statuses:?}");
 }

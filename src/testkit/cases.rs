@@ -734,3 +734,34 @@ pub async fn claims_run_while_a_large_sweep_runs<DB: ConformanceDb>(h: Harness<D
     assert_eq!(h.ledger_with("EXPIRED").await, 100_000);
     assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
 }
+
+/// The read-first path (`with_read_first(true)`) keeps every guarantee: the
+/// replay comes from the read, a changed payload is refused there, and
+/// concurrent duplicates still execute once.
+pub async fn read_first_path_keeps_the_guarantees<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app_with(h.layer().with_read_first(true));
+    let first = send(&app, order(ALICE, KEY, BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let retry = send(&app, order(ALICE, KEY, BODY)).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    let changed = send(&app, order(ALICE, KEY, r#"{"amount":1}"#)).await;
+    assert_eq!(changed.problem(), "key-reused");
+    let body = r#"{"amount":7,"sleep_ms":50}"#;
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, order(ALICE, Some("race"), body)).await })
+        })
+        .collect();
+    for t in tasks {
+        let a = t.await.unwrap();
+        assert!(
+            matches!(a.status, StatusCode::CREATED | StatusCode::CONFLICT),
+            "{a:?}"
+        );
+    }
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.orders().await, 2);
+    assert_eq!(h.ledger().await, 2);
+}

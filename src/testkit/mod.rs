@@ -401,6 +401,7 @@ macro_rules! conformance_suite {
             hashed_keys_keep_the_guarantees,
             sweep_tombstones_expired_rows_and_purges_them_later,
             claims_run_while_a_large_sweep_runs,
+            read_first_path_keeps_the_guarantees,
         );
     };
 }
