@@ -346,7 +346,7 @@ async fn main() {
     println!();
     println!("| scenario | concurrency | req/s | p50 ms | p99 ms | vs baseline | statuses |");
     println!("|---|---|---|---|---|---|---|");
-    let mut plot: Vec<(usize, f64, f64, f64)> = Vec::new();
+    let mut plot: Vec<Point> = Vec::new();
     let mut work = Vec::new();
     for &conc in &CONCURRENCY {
         let scenarios = [
@@ -407,7 +407,12 @@ async fn main() {
                 ));
             }
         }
-        plot.push((conc, base, measured[1].1.rps(), measured[2].1.rps()));
+        plot.push(Point {
+            conc,
+            base,
+            first: measured[1].1.rps(),
+            replay: measured[2].1.rps(),
+        });
     }
     println!();
     println!("Database work per request (pg_stat_database deltas, concurrency 8):");
@@ -520,23 +525,23 @@ async fn storm(url: &str) {
     println!("other keys' statuses during bursts: {:?}", stormy.statuses);
 }
 
-fn write_svg(points: &[(usize, f64, f64, f64)]) {
+/// Throughput at one concurrency, for the plot.
+struct Point {
+    conc: usize,
+    base: f64,
+    first: f64,
+    replay: f64,
+}
+
+fn write_svg(points: &[Point]) {
     let (w, h, pad) = (640.0, 400.0, 60.0);
     let max = points
         .iter()
-        .map(|p| p.1.max(p.2).max(p.3))
+        .map(|p| p.base.max(p.first).max(p.replay))
         .fold(1.0, f64::max)
         * 1.1;
     let x = |i: usize| pad + (w - 2.0 * pad) * i as f64 / (points.len().max(2) - 1) as f64;
     let y = |v: f64| h - pad - (h - 2.0 * pad) * v / max;
-    let line = |f: &dyn Fn(&(usize, f64, f64, f64)) -> f64| {
-        points
-            .iter()
-            .enumerate()
-            .map(|(i, p)| format!("{:.1},{:.1}", x(i), y(f(p))))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
     let mut svg = format!(
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
@@ -560,7 +565,7 @@ fn write_svg(points: &[(usize, f64, f64, f64)]) {
             r#"<text x="{:.1}" y="{}" text-anchor="middle">{}</text>"#,
             x(i),
             h - pad + 16.0,
-            p.0
+            p.conc
         );
     }
     for t in 0..=4 {
@@ -575,21 +580,21 @@ fn write_svg(points: &[(usize, f64, f64, f64)]) {
             y(v)
         );
     }
-    for (i, (name, color, f)) in [
-        (
-            "baseline (no layer)",
-            "#444",
-            (&|p: &(usize, f64, f64, f64)| p.1) as &dyn Fn(&(usize, f64, f64, f64)) -> f64,
-        ),
-        ("layered, first execution", "#d62728", &|p| p.2),
-        ("layered, replay", "#1f77b4", &|p| p.3),
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    type Series = (&'static str, &'static str, fn(&Point) -> f64);
+    let series: [Series; 3] = [
+        ("baseline (no layer)", "#444", |p| p.base),
+        ("layered, first execution", "#d62728", |p| p.first),
+        ("layered, replay", "#1f77b4", |p| p.replay),
+    ];
+    for (i, (name, color, value)) in series.into_iter().enumerate() {
+        let line: Vec<String> = points
+            .iter()
+            .enumerate()
+            .map(|(j, p)| format!("{:.1},{:.1}", x(j), y(value(p))))
+            .collect();
         svg += &format!(
             r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#,
-            line(f)
+            line.join(" ")
         );
         svg += &format!(
             r#"<rect x="{}" y="{}" width="12" height="3" fill="{color}"/><text x="{}" y="{}">{name}</text>"#,
