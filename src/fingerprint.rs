@@ -131,28 +131,41 @@ impl Normalizer {
         parts: &Parts,
         body: &Bytes,
     ) -> Result<Fingerprint, FingerprintError> {
-        let normalized = match &self.0 {
+        let mut h = Sha256::new();
+        let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+        // Method and target are length-prefixed; the body comes last, so no
+        // two different requests hash alike.
+        for part in [parts.method.as_str().as_bytes(), target.as_bytes()] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part);
+        }
+        match &self.0 {
             Inner::CanonicalJson if is_json(parts) => {
                 let value: Value = serde_json::from_slice(body).map_err(|e| {
                     FingerprintError::new(format!("the request body is not valid JSON: {e}"))
                 })?;
-                canonical(&value)
+                // Writing into the hash cannot fail.
+                let _ = write_canonical(&value, &mut HashWriter(&mut h));
             }
-            Inner::CanonicalJson => body.to_vec(),
-            Inner::Custom(f) => f(parts, body)?,
-        };
-        let mut h = Sha256::new();
-        let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-        // Length-prefix each part so no two different requests hash alike.
-        for part in [
-            parts.method.as_str().as_bytes(),
-            target.as_bytes(),
-            &normalized,
-        ] {
-            h.update((part.len() as u64).to_be_bytes());
-            h.update(part);
+            Inner::CanonicalJson => h.update(body),
+            Inner::Custom(f) => h.update(f(parts, body)?),
         }
         Ok(Fingerprint(h.finalize().into()))
+    }
+}
+
+/// Feeds written bytes straight into the hash, so the canonical form is
+/// never materialized.
+struct HashWriter<'a>(&'a mut Sha256);
+
+impl std::io::Write for HashWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -175,43 +188,39 @@ fn is_json(parts: &Parts) -> bool {
 /// on whether some crate in the build enabled `preserve_order`.
 pub(crate) fn canonical(value: &Value) -> Vec<u8> {
     let mut out = Vec::with_capacity(128);
-    write_canonical(value, &mut out);
+    // Writing into a Vec cannot fail.
+    let _ = write_canonical(value, &mut out);
     out
 }
 
-fn write_canonical(value: &Value, out: &mut Vec<u8>) {
+fn write_canonical(value: &Value, out: &mut impl std::io::Write) -> std::io::Result<()> {
     match value {
         Value::Object(map) => {
             let mut entries: Vec<_> = map.iter().collect();
             entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            out.push(b'{');
+            out.write_all(b"{")?;
             for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
-                    out.push(b',');
+                    out.write_all(b",")?;
                 }
-                write_scalar(&Value::String(k.clone()), out);
-                out.push(b':');
-                write_canonical(v, out);
+                serde_json::to_writer(&mut *out, k.as_str())?;
+                out.write_all(b":")?;
+                write_canonical(v, out)?;
             }
-            out.push(b'}');
+            out.write_all(b"}")
         }
         Value::Array(items) => {
-            out.push(b'[');
+            out.write_all(b"[")?;
             for (i, v) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push(b',');
+                    out.write_all(b",")?;
                 }
-                write_canonical(v, out);
+                write_canonical(v, out)?;
             }
-            out.push(b']');
+            out.write_all(b"]")
         }
-        scalar => write_scalar(scalar, out),
+        scalar => Ok(serde_json::to_writer(&mut *out, scalar)?),
     }
-}
-
-fn write_scalar(value: &Value, out: &mut Vec<u8>) {
-    // Writing a scalar `Value` into a Vec cannot fail.
-    let _ = serde_json::to_writer(&mut *out, value);
 }
 
 #[cfg(test)]
