@@ -110,7 +110,7 @@ fn replay(c: &mut Criterion) {
     rt.block_on(async { layered.ready().await.unwrap().call(req()).await.unwrap() });
     let mut g = c.benchmark_group("request");
     g.bench_function("bare service call (baseline)", |b| {
-        b.to_async(&rt).iter(|| bare.clone().oneshot(req()))
+        b.to_async(&rt).iter(|| bare.oneshot(req()))
     });
     g.bench_function("replay through the layer (SQLite in memory)", |b| {
         b.to_async(&rt).iter(|| layered.clone().oneshot(req()))
