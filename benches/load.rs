@@ -622,10 +622,14 @@ async fn peak_rss() {
         .unwrap()
         .join("examples")
         .join("order_service");
-    if !bin.exists() {
-        println!(
-            "\n(peak RSS skipped: build the example first: cargo build --release --example order_service)"
-        );
+    // The service under test is the example binary, built here if missing.
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let built = std::process::Command::new(cargo)
+        .args(["build", "--release", "--example", "order_service"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .status();
+    if !built.is_ok_and(|s| s.success()) || !bin.exists() {
+        println!("\n(peak RSS skipped: cargo build --release --example order_service failed)");
         return;
     }
     let dir = std::env::temp_dir().join(format!("ti_rss_{}", std::process::id()));
