@@ -70,12 +70,14 @@
 //! 1. parses the `Idempotency-Key` ([`KeyMode`]), finds the principal and the
 //!    operation (the *scope*, see [`Principal`]), buffers the body up to a
 //!    limit and fingerprints it ([`Normalizer`]);
-//! 2. reads the ledger once: a finished request with this scope is answered
-//!    from there (replay, `422` for a different payload, `410` once expired);
-//! 3. otherwise begins a transaction and claims the scope with a
-//!    unique-constraint insert; the database decides who wins, never a read
-//!    followed by an `if`;
-//! 4. hands the transaction to the handler ([`Tx`]), takes a savepoint first;
+//! 2. begins a transaction and claims the scope with a unique-constraint
+//!    insert, then takes a savepoint; the database decides who wins, never a
+//!    read followed by an `if`;
+//! 3. if the scope was already taken, reads the committed record once and
+//!    answers from it (replay, `422` for a different payload, `410` once
+//!    expired); [`IdempotencyLayer::with_read_first`] moves that read before
+//!    the claim, for replay-heavy traffic;
+//! 4. otherwise hands the claimed transaction to the handler ([`Tx`]);
 //! 5. classifies the answer ([`Classification`]) and records it on the same
 //!    transaction, so the business rows and the ledger row commit together.
 //!

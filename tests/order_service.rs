@@ -228,6 +228,7 @@ e2e!(
     invalid_and_unauthenticated_requests_store_nothing,
     expired_key_is_refused_without_a_new_order,
     orders_are_visible_to_their_owner_only,
+    sigterm_lets_the_in_flight_order_finish,
 );
 
 /// Acceptance 1 and 2.
@@ -472,4 +473,40 @@ async fn orders_are_visible_to_their_owner_only<DB: TestDb>() {
     assert_eq!(theirs.status, StatusCode::NOT_FOUND);
     let health = s.call(Method::GET, "/health", None, None, "").await;
     assert_eq!(health.status, StatusCode::OK);
+}
+
+/// SIGTERM during a request: the service stops taking connections, lets the
+/// in-flight order finish and commit, and exits cleanly.
+async fn sigterm_lets_the_in_flight_order_finish<DB: TestDb>() {
+    let mut s = Service::<DB>::start(800).await;
+    s.put_stock("A-10", 5).await;
+    let addr = s.addr.clone();
+    let inflight = tokio::spawn(async move {
+        http_call(
+            &addr,
+            Method::POST,
+            "/orders",
+            Some("user-42"),
+            Some(KEY),
+            ORDER,
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = s.child.id().unwrap().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let answer = inflight.await.unwrap();
+    assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+    let exit = tokio::time::timeout(Duration::from_secs(10), s.child.wait())
+        .await
+        .expect("exits")
+        .unwrap();
+    assert!(exit.success(), "{exit:?}");
+    assert_eq!(s.orders().await, 1);
+    assert_eq!(s.ledger().await, 1);
+    assert_eq!(s.stock("A-10").await, 3);
 }

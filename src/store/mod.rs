@@ -145,9 +145,10 @@ pub enum StoreErrorKind {
 /// A database that can hold the ledger. Implemented for `sqlx::Postgres`,
 /// `sqlx::Sqlite` and `sqlx::MySql` behind their features.
 ///
-/// Every method is one short statement (or transaction start) and must keep
-/// its guarantee under concurrency: [`try_claim`](Backend::try_claim) is
-/// decided by the unique constraint alone.
+/// Every method is short (a few statements at most, no unbounded waits) and
+/// must keep its guarantee under concurrency: [`claim`](Backend::claim) is
+/// decided by the unique constraint alone. The `testkit` feature's
+/// conformance suite checks an implementation against the whole contract.
 pub trait Backend: Database {
     /// Creates the ledger table and index if missing. Safe to re-run.
     fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
