@@ -13,6 +13,7 @@ const BODY: &str = r#"{"amount":12000,"items":[]}"#;
 const ALICE: Option<&str> = Some("user-42");
 const KEY: Option<&str> = Some("\"checkout-20260914-001\"");
 
+/// Case: first request commits order and succeeded row.
 pub async fn first_request_commits_order_and_succeeded_row<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let a = send(&app, order(ALICE, KEY, BODY)).await;
@@ -27,6 +28,7 @@ pub async fn first_request_commits_order_and_succeeded_row<DB: ConformanceDb>(h:
     assert_eq!(resource, "1");
 }
 
+/// Case: retry replays byte for byte without executing.
 pub async fn retry_replays_byte_for_byte_without_executing<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let first = send(&app, order(ALICE, KEY, BODY)).await;
@@ -53,6 +55,7 @@ pub async fn retry_replays_byte_for_byte_without_executing<DB: ConformanceDb>(h:
     assert_eq!(h.ledger().await, 1);
 }
 
+/// Case: quoted and bare key are the same key.
 pub async fn quoted_and_bare_key_are_the_same_key<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let first = send(&app, order(ALICE, Some("\"k-1\""), BODY)).await;
@@ -68,6 +71,7 @@ pub async fn quoted_and_bare_key_are_the_same_key<DB: ConformanceDb>(h: Harness<
     assert_eq!(h.orders().await, 1);
 }
 
+/// Case: missing key is refused and nothing stored.
 pub async fn missing_key_is_refused_and_nothing_stored<DB: ConformanceDb>(h: Harness<DB>) {
     let a = send(&h.app(), order(ALICE, None, BODY)).await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
@@ -82,6 +86,7 @@ pub async fn missing_key_is_refused_and_nothing_stored<DB: ConformanceDb>(h: Har
     assert_eq!(h.ledger().await, 0);
 }
 
+/// Case: malformed keys are refused and nothing stored.
 pub async fn malformed_keys_are_refused_and_nothing_stored<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let long = "a".repeat(256);
@@ -126,6 +131,7 @@ pub async fn malformed_keys_are_refused_and_nothing_stored<DB: ConformanceDb>(h:
     assert_eq!(h.ledger().await, 1);
 }
 
+/// Case: missing principal is refused and nothing stored.
 pub async fn missing_principal_is_refused_and_nothing_stored<DB: ConformanceDb>(h: Harness<DB>) {
     let a = send(&h.app(), order(None, KEY, BODY)).await;
     assert_eq!(a.status, StatusCode::UNAUTHORIZED);
@@ -141,6 +147,7 @@ pub async fn missing_principal_is_refused_and_nothing_stored<DB: ConformanceDb>(
     h.assert_nothing_stored().await;
 }
 
+/// Case: oversized body is refused before buffering.
 pub async fn oversized_body_is_refused_before_buffering<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app_with(h.layer().with_max_request_body(64).unwrap());
     let big = format!(r#"{{"amount":1,"pad":"{}"}}"#, "x".repeat(100));
@@ -179,6 +186,7 @@ fn futures_stream(
     Endless(bytes::Bytes::from(vec![b' '; chunk]))
 }
 
+/// Case: invalid bodies are refused and nothing stored.
 pub async fn invalid_bodies_are_refused_and_nothing_stored<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let a = send(&app, order(ALICE, KEY, r#"{"amount":"#)).await;
@@ -193,6 +201,7 @@ pub async fn invalid_bodies_are_refused_and_nothing_stored<DB: ConformanceDb>(h:
     h.assert_nothing_stored().await;
 }
 
+/// Case: changed payload is refused with 422.
 pub async fn changed_payload_is_refused_with_422<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let first = send(&app, order(ALICE, KEY, BODY)).await;
@@ -206,6 +215,7 @@ pub async fn changed_payload_is_refused_with_422<DB: ConformanceDb>(h: Harness<D
     assert_eq!(h.ledger().await, 1);
 }
 
+/// Case: mismatch status can be 409.
 pub async fn mismatch_status_can_be_409<DB: ConformanceDb>(h: Harness<DB>) {
     assert!(
         h.layer()
@@ -224,6 +234,7 @@ pub async fn mismatch_status_can_be_409<DB: ConformanceDb>(h: Harness<DB>) {
     assert_eq!(h.orders().await, 1);
 }
 
+/// Case: handler rejection rolls back and key stays usable.
 pub async fn handler_rejection_rolls_back_and_key_stays_usable<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     // The handler writes an order, then rejects the request with 422.
@@ -244,6 +255,7 @@ pub async fn handler_rejection_rolls_back_and_key_stays_usable<DB: ConformanceDb
     assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
 }
 
+/// Case: final business error records failed final without partial writes.
 pub async fn final_business_error_records_failed_final_without_partial_writes<DB: ConformanceDb>(
     h: Harness<DB>,
 ) {
@@ -278,6 +290,7 @@ pub async fn final_business_error_records_failed_final_without_partial_writes<DB
     assert_eq!(DB::stock(&h.pool, "B-20").await, 10);
 }
 
+/// Case: server error rolls back and retry runs afresh.
 pub async fn server_error_rolls_back_and_retry_runs_afresh<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let failed = send(
@@ -301,6 +314,7 @@ pub async fn server_error_rolls_back_and_retry_runs_afresh<DB: ConformanceDb>(h:
     assert_eq!(h.orders().await, 1);
 }
 
+/// Case: handler can mark a response final or retryable.
 pub async fn handler_can_mark_a_response_final_or_retryable<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     // A 502 marked final: recorded, business writes undone, replayed.
@@ -323,6 +337,7 @@ pub async fn handler_can_mark_a_response_final_or_retryable<DB: ConformanceDb>(h
     assert_eq!(h.orders().await, 0);
 }
 
+/// Case: concurrent duplicate waits then replays.
 pub async fn concurrent_duplicate_waits_then_replays<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let body = r#"{"amount":12000,"sleep_ms":300}"#;
@@ -462,6 +477,7 @@ pub async fn fifty_concurrent_duplicates_execute_once<DB: ConformanceDb>(h: Harn
     }
 }
 
+/// Case: other principal same key is independent.
 pub async fn other_principal_same_key_is_independent<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let alice = send(&app, order(ALICE, KEY, BODY)).await;
@@ -482,6 +498,7 @@ pub async fn other_principal_same_key_is_independent<DB: ConformanceDb>(h: Harne
     assert_eq!(h.ledger().await, 3);
 }
 
+/// Case: dropped future commits nothing.
 pub async fn dropped_future_commits_nothing<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let slow = r#"{"amount":12000,"sleep_ms":2000}"#;
@@ -501,6 +518,7 @@ pub async fn dropped_future_commits_nothing<DB: ConformanceDb>(h: Harness<DB>) {
     assert_eq!(h.ledger().await, 1);
 }
 
+/// Case: panicking handler commits nothing.
 pub async fn panicking_handler_commits_nothing<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let panicked = tokio::spawn({
@@ -519,6 +537,7 @@ pub async fn panicking_handler_commits_nothing<DB: ConformanceDb>(h: Harness<DB>
     assert_eq!(h.orders().await, 1);
 }
 
+/// Case: held transaction handle commits nothing.
 pub async fn held_transaction_handle_commits_nothing<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
     let a = send(&app, order(ALICE, KEY, r#"{"amount":1,"mode":"hold"}"#)).await;
@@ -552,6 +571,7 @@ pub async fn lost_connection_commits_nothing_and_retry_runs_once<DB: Conformance
     assert_eq!(h.orders().await, 1);
 }
 
+/// Case: unguarded methods pass through.
 pub async fn unguarded_methods_pass_through<DB: ConformanceDb>(h: Harness<DB>) {
     // PUT is not guarded by default: no key needed, no ledger row.
     let mut req = order(ALICE, None, BODY);

@@ -23,7 +23,6 @@
 //! The built-in backends read `PG_URL` and `MYSQL_URL` (defaults
 //! `postgres://postgres@127.0.0.1:5432/test` and
 //! `mysql://root@127.0.0.1:3306/test`) and create one database per case.
-#![allow(missing_docs, clippy::missing_panics_doc)]
 
 use std::future::Future;
 use std::sync::Arc;
@@ -51,25 +50,32 @@ pub use backends::{Cleanup, mysql_admin_url, pg_admin_url};
 /// What the suite needs from a database besides the ledger: a fresh
 /// database, and the order-service statements the test app runs.
 pub trait ConformanceDb: Backend + Sized {
+    /// A short name for messages (`postgres`, `sqlite`, `mysql`).
     const LABEL: &'static str;
     /// A pool on a database of its own, with the ledger and the test tables,
     /// and the guard that drops it.
     fn fresh() -> impl Future<Output = (Pool<Self>, Cleanup)> + Send;
     /// The URL of a new, empty database, and the guard that drops it.
     fn fresh_url() -> impl Future<Output = (String, Cleanup)> + Send;
+    /// Inserts an order row for `principal`; returns its id.
     fn insert_order(
         conn: &mut Self::Connection,
         principal: &str,
         amount: i64,
     ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
+    /// Takes `qty` of `sku` if enough is left (a conditional decrement); `false` when short.
     fn take_stock(
         conn: &mut Self::Connection,
         sku: &str,
         qty: i64,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+    /// Sets the stock of `sku` (outside any claim).
     fn set_stock(pool: &Pool<Self>, sku: &str, qty: i64) -> impl Future<Output = ()> + Send;
+    /// The stock of `sku`.
     fn stock(pool: &Pool<Self>, sku: &str) -> impl Future<Output = i64> + Send;
+    /// Runs a `SELECT COUNT(*)`-like query that returns one integer.
     fn count(pool: &Pool<Self>, sql: &'static str) -> impl Future<Output = i64> + Send;
+    /// Runs a statement (no parameters).
     fn exec(pool: &Pool<Self>, sql: &'static str) -> impl Future<Output = ()> + Send;
     /// Holds the key's write lock the way a stuck first request would: a
     /// transaction with the scope's uncommitted claim, left open.
@@ -93,7 +99,9 @@ pub trait ConformanceDb: Backend + Sized {
 
 /// One case's world: a fresh database, an execution counter, the test app.
 pub struct Harness<DB: ConformanceDb> {
+    /// The case's database.
     pub pool: Pool<DB>,
+    /// How many times the test handler ran.
     pub executions: Arc<AtomicUsize>,
     _drop: Cleanup,
 }
@@ -253,6 +261,7 @@ impl<DB: ConformanceDb> std::fmt::Debug for Harness<DB> {
 }
 
 impl<DB: ConformanceDb> Harness<DB> {
+    /// A fresh database with the ledger and the test tables.
     pub async fn new() -> Self {
         let (pool, drop) = DB::fresh().await;
         Self {
@@ -267,10 +276,12 @@ impl<DB: ConformanceDb> Harness<DB> {
         IdempotencyLayer::new(self.pool.clone()).with_principal(bearer)
     }
 
+    /// The test app behind the default layer.
     pub fn app(&self) -> Router {
         self.app_with(self.layer())
     }
 
+    /// The test app behind `layer` (for cases that change configuration).
     pub fn app_with(&self, layer: IdempotencyLayer<DB>) -> Router {
         Router::new()
             .route("/orders", post(create_order::<DB>).put(create_order::<DB>))
@@ -281,18 +292,22 @@ impl<DB: ConformanceDb> Harness<DB> {
             })
     }
 
+    /// How many times the test handler ran.
     pub fn executions(&self) -> usize {
         self.executions.load(Ordering::SeqCst)
     }
 
+    /// Committed order rows.
     pub async fn orders(&self) -> i64 {
         DB::count(&self.pool, "SELECT COUNT(*) FROM orders").await
     }
 
+    /// Committed ledger rows.
     pub async fn ledger(&self) -> i64 {
         DB::count(&self.pool, "SELECT COUNT(*) FROM idempotency_records").await
     }
 
+    /// Committed ledger rows with `status`.
     pub async fn ledger_with(&self, status: &str) -> i64 {
         let sql = match status {
             "SUCCEEDED" => "SELECT COUNT(*) FROM idempotency_records WHERE status = 'SUCCEEDED'",
@@ -328,12 +343,16 @@ pub fn order(principal: Option<&str>, key: Option<&str>, body: &str) -> Request<
 /// A response read to the end.
 #[derive(Debug, Clone)]
 pub struct Answer {
+    /// The response status.
     pub status: StatusCode,
+    /// The response headers.
     pub headers: HeaderMap,
+    /// The response body, byte for byte.
     pub body: Bytes,
 }
 
 impl Answer {
+    /// The body as JSON (`null` when it is not JSON).
     pub fn json(&self) -> Value {
         serde_json::from_slice(&self.body).unwrap_or(Value::Null)
     }
@@ -348,6 +367,7 @@ impl Answer {
         t.rsplit('#').next().unwrap_or_default().to_string()
     }
 
+    /// Whether the answer carries `Idempotent-Replayed: true`.
     pub fn replayed(&self) -> bool {
         self.headers
             .get("idempotent-replayed")
@@ -355,6 +375,7 @@ impl Answer {
     }
 }
 
+/// Sends `req` through `app` and reads the whole answer.
 pub async fn send(app: &Router, req: Request<axum::body::Body>) -> Answer {
     let res = app.clone().oneshot(req).await.unwrap();
     let (parts, body) = res.into_parts();
