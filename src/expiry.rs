@@ -17,16 +17,23 @@ use crate::store::{Backend, Record, RecordStatus};
 /// The default retention of a key: 24 hours.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 
+/// A duration in whole milliseconds, saturating.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
 /// Now, in Unix epoch milliseconds (the unit of the ledger's time columns).
 pub(crate) fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+    millis(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default(),
+    )
 }
 
 /// `now + retention`, in epoch milliseconds, saturating.
 pub(crate) fn expires_at(now: i64, retention: Duration) -> i64 {
-    now.saturating_add(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX))
+    now.saturating_add(millis(retention))
 }
 
 /// A tombstone, or a terminal row whose retention has ended.
@@ -127,30 +134,27 @@ impl<DB: Backend> Sweeper<DB> {
     /// Sweeps as if the time were `now` (for operators catching up, and for
     /// tests that control time instead of sleeping).
     pub async fn sweep_at(&self, now: SystemTime) -> Result<SweepReport, sqlx::Error> {
-        let now = now
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-        let purge_before = now.saturating_sub(
-            i64::try_from(self.tombstone_retention.as_millis()).unwrap_or(i64::MAX),
-        );
+        let now = millis(now.duration_since(UNIX_EPOCH).unwrap_or_default());
+        let purge_before = now.saturating_sub(millis(self.tombstone_retention));
         let mut report = SweepReport::default();
-        while report.batches < self.max_batches {
-            report.batches += 1;
-            let n = DB::expire_batch(&self.pool, now, self.batch_size).await?;
-            report.expired += n;
-            if n < self.batch_size as u64 {
-                break;
+        // Expire first, then purge; each phase until a short batch.
+        for expiring in [true, false] {
+            while report.batches < self.max_batches {
+                report.batches += 1;
+                let n = if expiring {
+                    let n = DB::expire_batch(&self.pool, now, self.batch_size).await?;
+                    report.expired += n;
+                    n
+                } else {
+                    let n = DB::purge_batch(&self.pool, purge_before, self.batch_size).await?;
+                    report.purged += n;
+                    n
+                };
+                if n < self.batch_size as u64 {
+                    break;
+                }
+                tokio::time::sleep(self.pause).await;
             }
-            tokio::time::sleep(self.pause).await;
-        }
-        while report.batches < self.max_batches {
-            report.batches += 1;
-            let n = DB::purge_batch(&self.pool, purge_before, self.batch_size).await?;
-            report.purged += n;
-            if n < self.batch_size as u64 {
-                break;
-            }
-            tokio::time::sleep(self.pause).await;
         }
         Ok(report)
     }

@@ -7,6 +7,27 @@ use sqlx::{Pool, Transaction};
 
 use super::ConformanceDb;
 
+/// The hooks whose code is the same on every built-in backend.
+macro_rules! simple_queries {
+    ($stock:expr) => {
+        async fn stock(pool: &Pool<Self>, sku: &str) -> i64 {
+            sqlx::query_scalar($stock)
+                .bind(sku)
+                .fetch_one(pool)
+                .await
+                .unwrap()
+        }
+
+        async fn count(pool: &Pool<Self>, sql: &'static str) -> i64 {
+            sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+        }
+
+        async fn exec(pool: &Pool<Self>, sql: &'static str) {
+            sqlx::raw_sql(sql).execute(pool).await.unwrap();
+        }
+    };
+}
+
 static SEQ: AtomicUsize = AtomicUsize::new(0);
 
 fn unique_name() -> String {
@@ -75,6 +96,8 @@ CREATE TABLE stock (sku TEXT PRIMARY KEY, qty INTEGER NOT NULL);";
 
 #[cfg(feature = "postgres")]
 impl ConformanceDb for sqlx::Postgres {
+    simple_queries!("SELECT qty FROM stock WHERE sku = $1");
+
     const LABEL: &'static str = "postgres";
 
     async fn fresh() -> (Pool<Self>, Cleanup) {
@@ -156,22 +179,6 @@ impl ConformanceDb for sqlx::Postgres {
         .unwrap();
     }
 
-    async fn stock(pool: &Pool<Self>, sku: &str) -> i64 {
-        sqlx::query_scalar("SELECT qty FROM stock WHERE sku = $1")
-            .bind(sku)
-            .fetch_one(pool)
-            .await
-            .unwrap()
-    }
-
-    async fn count(pool: &Pool<Self>, sql: &'static str) -> i64 {
-        sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
-    }
-
-    async fn exec(pool: &Pool<Self>, sql: &'static str) {
-        sqlx::raw_sql(sql).execute(pool).await.unwrap();
-    }
-
     async fn hold_claim(
         pool: &Pool<Self>,
         principal: &str,
@@ -213,6 +220,8 @@ impl ConformanceDb for sqlx::Postgres {
 
 #[cfg(feature = "sqlite")]
 impl ConformanceDb for sqlx::Sqlite {
+    simple_queries!("SELECT qty FROM stock WHERE sku = ?");
+
     const LABEL: &'static str = "sqlite";
 
     async fn fresh() -> (Pool<Self>, Cleanup) {
@@ -283,22 +292,6 @@ impl ConformanceDb for sqlx::Sqlite {
         .unwrap();
     }
 
-    async fn stock(pool: &Pool<Self>, sku: &str) -> i64 {
-        sqlx::query_scalar("SELECT qty FROM stock WHERE sku = ?")
-            .bind(sku)
-            .fetch_one(pool)
-            .await
-            .unwrap()
-    }
-
-    async fn count(pool: &Pool<Self>, sql: &'static str) -> i64 {
-        sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
-    }
-
-    async fn exec(pool: &Pool<Self>, sql: &'static str) {
-        sqlx::raw_sql(sql).execute(pool).await.unwrap();
-    }
-
     async fn hold_claim(
         pool: &Pool<Self>,
         principal: &str,
@@ -336,6 +329,8 @@ CREATE TABLE stock (sku VARCHAR(64) PRIMARY KEY, qty BIGINT NOT NULL) ENGINE = I
 
 #[cfg(feature = "mysql")]
 impl ConformanceDb for sqlx::MySql {
+    simple_queries!("SELECT qty FROM stock WHERE sku = ?");
+
     const LABEL: &'static str = "mysql";
 
     async fn fresh() -> (Pool<Self>, Cleanup) {
@@ -417,22 +412,6 @@ impl ConformanceDb for sqlx::MySql {
         .execute(pool)
         .await
         .unwrap();
-    }
-
-    async fn stock(pool: &Pool<Self>, sku: &str) -> i64 {
-        sqlx::query_scalar("SELECT qty FROM stock WHERE sku = ?")
-            .bind(sku)
-            .fetch_one(pool)
-            .await
-            .unwrap()
-    }
-
-    async fn count(pool: &Pool<Self>, sql: &'static str) -> i64 {
-        sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
-    }
-
-    async fn exec(pool: &Pool<Self>, sql: &'static str) {
-        sqlx::raw_sql(sql).execute(pool).await.unwrap();
     }
 
     async fn hold_claim(
