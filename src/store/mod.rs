@@ -11,7 +11,7 @@
 //! |---|---|---|
 //! | PostgreSQL | `INSERT … ON CONFLICT DO NOTHING` in a `READ COMMITTED` transaction | the insert blocks on the first claimer's uncommitted row, bounded by `SET LOCAL lock_timeout` |
 //! | SQLite | `INSERT … ON CONFLICT DO NOTHING` in a `BEGIN IMMEDIATE` transaction | writers are serialized; the wait is the connection's `busy_timeout` (`SqliteConnectOptions::busy_timeout`, 5 s by default) |
-//! | MySQL/MariaDB | a plain `INSERT`, a duplicate key reported by the driver's unique-violation signal, in a `READ COMMITTED` transaction | the insert blocks on the uncommitted row, bounded by `innodb_lock_wait_timeout` (whole seconds, set per session) |
+//! | MySQL/MariaDB | a plain `INSERT`, a duplicate key reported by the driver's unique-violation signal, in a `READ COMMITTED` transaction | the insert blocks on the uncommitted row, bounded by `innodb_lock_wait_timeout` (whole seconds, set for the claim, then put back) |
 //!
 //! Migrations: [`migrate`] creates the table and its index with idempotent
 //! DDL (`CREATE … IF NOT EXISTS`), so it is safe on every start and never
@@ -339,9 +339,11 @@ use shared_statements;
 
 /// Stamps out [`Backend::claim`] as three statements with bound parameters:
 /// `begin`, the claim `insert` (a duplicate key is the driver's
-/// unique-violation error, or zero rows), then the savepoint.
+/// unique-violation error, or zero rows), then the `savepoint` statement(s).
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
 macro_rules! claim_by_statements {
-    ($db:ty, begin = |$pool:ident, $wait:ident| $begin:expr, insert = $insert:expr $(,)?) => {
+    ($db:ty, begin = |$pool:ident, $wait:ident| $begin:expr, insert = $insert:expr,
+     savepoint = $savepoint:expr $(,)?) => {
         async fn claim(
             $pool: &sqlx::Pool<$db>,
             claim: &$crate::store::Claim<'_>,
@@ -376,11 +378,10 @@ macro_rules! claim_by_statements {
                 tx.rollback().await?;
                 return Ok(None);
             }
-            sqlx::raw_sql("SAVEPOINT tower_idempotency_claimed")
-                .execute(&mut *tx)
-                .await?;
+            sqlx::raw_sql($savepoint).execute(&mut *tx).await?;
             Ok(Some(tx))
         }
     };
 }
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
 use claim_by_statements;

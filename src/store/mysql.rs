@@ -15,8 +15,8 @@ impl Backend for MySql {
         .map(drop)
     }
 
-    // InnoDB counts lock waits in whole seconds (at least 1). The setting is
-    // per session, so it stays on the pooled connection; READ COMMITTED lets
+    // InnoDB counts lock waits in whole seconds (at least 1), per session; the
+    // savepoint step puts the server's setting back. READ COMMITTED lets
     // the read after a lost claim see the winner's row. A plain insert: a
     // duplicate key is the driver's unique-violation error (which ends the
     // statement, not the transaction). Not `ON DUPLICATE KEY UPDATE`, whose
@@ -35,6 +35,9 @@ impl Backend for MySql {
         insert = "INSERT INTO idempotency_records \
                   (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
                   VALUES (?, ?, ?, ?, 'PROCESSING', ?, ?)",
+        // The handler's own lock waits go back to the server's setting.
+        savepoint = "SAVEPOINT tower_idempotency_claimed; \
+                     SET SESSION innodb_lock_wait_timeout = DEFAULT",
     );
 
     shared_statements!(

@@ -25,6 +25,7 @@ impl Backend for Sqlite {
                   (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
                   VALUES (?, ?, ?, ?, 'PROCESSING', ?, ?) \
                   ON CONFLICT (principal_id, operation, idem_key) DO NOTHING",
+        savepoint = "SAVEPOINT tower_idempotency_claimed",
     );
 
     shared_statements!(
