@@ -11,6 +11,7 @@ use tower_layer::Layer;
 use crate::expiry::DEFAULT_RETENTION;
 use crate::fingerprint::Normalizer;
 use crate::key::KeyMode;
+use crate::local::LocalClaims;
 use crate::scope::{Principal, PrincipalFn, principal_from_extensions};
 use crate::service::Idempotency;
 use crate::store::Backend;
@@ -61,6 +62,7 @@ pub(crate) struct Config {
     pub(crate) replayed_header: bool,
     pub(crate) recorded_headers: Vec<HeaderName>,
     pub(crate) hash_keys: bool,
+    pub(crate) local: Arc<LocalClaims>,
     pub(crate) read_first: bool,
     pub(crate) resource_link: Option<ResourceLinkFn>,
 }
@@ -142,6 +144,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 hash_keys: false,
                 read_first: false,
                 resource_link: None,
+                local: Arc::default(),
             },
         }
     }

@@ -152,6 +152,7 @@ mod expiry;
 mod fingerprint;
 mod key;
 mod layer;
+mod local;
 mod observe;
 pub mod problem;
 mod replay;

@@ -291,7 +291,10 @@ impl<DB: Backend> Run<DB> {
             fingerprint,
         };
         let claiming = Instant::now();
-        let claimed = self.claim(&id).await;
+        // A duplicate of a request running in this process waits here, off
+        // the pool; the leader's token lives until the answer is settled.
+        let leader = cfg.local.lead_or_wait(&id.scope, cfg.in_flight_wait).await;
+        let claimed = self.claim(&id, leader.is_none()).await;
         observe::timing("claim_ms", claiming.elapsed());
         match claimed {
             Claimed::Won(tx, expires_at) => {
@@ -304,13 +307,14 @@ impl<DB: Backend> Run<DB> {
 
     /// Claims the scope, or finds the answer a retry gets: at most the
     /// configured attempts, within the configured deadline.
-    async fn claim(&self, id: &Identity<'_>) -> Claimed<DB> {
+    async fn claim(&self, id: &Identity<'_>, duplicate: bool) -> Claimed<DB> {
         let cfg = &self.config;
         let deadline = Instant::now() + cfg.claim_deadline;
         let mut attempts = 0;
-        // Claim first by default: a first execution then costs no read.
-        // Retries after a contended attempt read first.
-        let mut read_first = cfg.read_first;
+        // Claim first by default: a first execution then costs no read. A
+        // known duplicate, and every retry after a contended attempt, reads
+        // first.
+        let mut read_first = cfg.read_first || duplicate;
         let pending = loop {
             attempts += 1;
             let settled = if read_first {

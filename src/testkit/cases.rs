@@ -785,3 +785,24 @@ pub async fn read_first_path_keeps_the_guarantees<DB: ConformanceDb>(h: Harness<
     assert_eq!(h.orders().await, 2);
     assert_eq!(h.ledger().await, 2);
 }
+
+/// Two instances of the service (two layers, as in two processes) share one
+/// database: the duplicate on the second instance waits on the first's
+/// uncommitted claim in the database itself, then replays its answer.
+pub async fn duplicate_on_another_instance_waits_on_the_database_then_replays<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let first_instance = h.app();
+    let second_instance = h.app();
+    let body = r#"{"amount":12000,"sleep_ms":300}"#;
+    let first = tokio::spawn(async move { send(&first_instance, order(ALICE, KEY, body)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = send(&second_instance, order(ALICE, KEY, body)).await;
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
+    assert!(second.replayed());
+    assert_eq!(second.body, first.body);
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+}

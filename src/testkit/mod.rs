@@ -423,6 +423,7 @@ macro_rules! conformance_suite {
             sweep_tombstones_expired_rows_and_purges_them_later,
             claims_run_while_a_large_sweep_runs,
             read_first_path_keeps_the_guarantees,
+            duplicate_on_another_instance_waits_on_the_database_then_replays,
         );
     };
 }

@@ -1,0 +1,117 @@
+//! In-process coalescing of duplicates.
+//!
+//! When two requests with one scope reach the same process, the second does
+//! not need a database connection to learn that the first is still running:
+//! it waits here, without holding a pooled connection, until the first has
+//! answered (bounded by the in-flight wait), and only then goes to the
+//! ledger, where it normally finds the stored answer. Correctness never
+//! rests on this map: the database's unique constraint still decides every
+//! claim, across processes too. The map only keeps a duplicate storm from
+//! pinning the connection pool.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::store::Scope;
+
+/// The scopes whose first request is running in this process.
+#[derive(Debug, Default)]
+pub(crate) struct LocalClaims {
+    running: Mutex<HashMap<String, watch::Receiver<()>>>,
+}
+
+/// Held by the first request of a scope; dropping it (answered, failed,
+/// cancelled or panicked alike) releases the waiters.
+pub(crate) struct Leader {
+    claims: Arc<LocalClaims>,
+    key: String,
+    _done: watch::Sender<()>,
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        self.claims.lock().remove(&self.key);
+    }
+}
+
+impl LocalClaims {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, watch::Receiver<()>>> {
+        // The map holds no invariant a panic could break.
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Becomes the scope's leader, or waits (at most `wait`) for the
+    /// current leader to finish and returns `None`.
+    pub(crate) async fn lead_or_wait(
+        self: &Arc<Self>,
+        scope: &Scope<'_>,
+        wait: Duration,
+    ) -> Option<Leader> {
+        let key = format!("{}\0{}\0{}", scope.principal, scope.operation, scope.key);
+        let mut running = {
+            let mut map = self.lock();
+            match map.get(&key) {
+                Some(rx) => rx.clone(),
+                None => {
+                    let (tx, rx) = watch::channel(());
+                    map.insert(key.clone(), rx);
+                    return Some(Leader {
+                        claims: Arc::clone(self),
+                        key,
+                        _done: tx,
+                    });
+                }
+            }
+        };
+        // Resolves when the leader drops its sender.
+        let _ = tokio::time::timeout(wait, running.changed()).await;
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scope() -> Scope<'static> {
+        Scope {
+            principal: "p",
+            operation: "op",
+            key: "k",
+        }
+    }
+
+    #[tokio::test]
+    async fn second_waits_for_the_first_and_the_map_empties() {
+        let claims = Arc::new(LocalClaims::default());
+        let leader = claims.lead_or_wait(&scope(), Duration::from_secs(5)).await;
+        assert!(leader.is_some());
+        let waiter = {
+            let claims = Arc::clone(&claims);
+            tokio::spawn(async move {
+                claims
+                    .lead_or_wait(&scope(), Duration::from_secs(5))
+                    .await
+                    .is_none()
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished(), "waits while the leader runs");
+        drop(leader);
+        assert!(waiter.await.unwrap());
+        assert!(claims.lock().is_empty());
+        // The wait is bounded.
+        let _leader = claims.lead_or_wait(&scope(), Duration::from_secs(5)).await;
+        let started = std::time::Instant::now();
+        assert!(
+            claims
+                .lead_or_wait(&scope(), Duration::from_millis(50))
+                .await
+                .is_none()
+        );
+        assert!(started.elapsed() < Duration::from_secs(2));
+    }
+}
