@@ -116,6 +116,12 @@
 //! A request that cannot settle within its bounds gets `409` with
 //! `Retry-After` and has changed nothing.
 //!
+//! Duplicates that reach the same process meet before the database: the
+//! later ones wait (up to the in-flight wait) for the first to answer without
+//! holding a pooled connection, then read its stored answer, so a storm of
+//! retries cannot exhaust the pool. This is only a shortcut; the unique
+//! constraint still decides, across processes too.
+//!
 //! # Cancellation and panics
 //!
 //! Nothing is committed until the handler has answered and the answer is
