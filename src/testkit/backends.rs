@@ -78,11 +78,62 @@ pub fn mysql_admin_url() -> String {
     std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn with_db(url: &str, db: &str) -> String {
     match url.rfind('/') {
         Some(i) if i > "postgres://".len() => format!("{}/{db}", &url[..i]),
         _ => format!("{url}/{db}"),
     }
+}
+
+/// Expands to a new database on a server, as `(url, Cleanup)`; the cleanup
+/// drops it (`$drop_suffix` is appended to `DROP DATABASE`). A macro, not a
+/// generic function: sqlx's executor bounds do not hold across `await` in a
+/// generic `Send` future.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+macro_rules! server_database {
+    ($conn:ty, $admin:expr, $drop_suffix:expr) => {{
+        use sqlx::{Connection, Executor};
+        let admin: String = $admin;
+        let name = unique_name();
+        let mut conn = <$conn>::connect(&admin).await.unwrap_or_else(|e| {
+            panic!("{admin} is not reachable ({e}): start the server or set PG_URL / MYSQL_URL")
+        });
+        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .await
+            .unwrap();
+        conn.close().await.unwrap();
+        let url = with_db(&admin, &name);
+        let drop = Cleanup::new(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                if let Ok(mut c) = <$conn>::connect(&admin).await {
+                    let sql = format!("DROP DATABASE IF EXISTS {name}{}", $drop_suffix);
+                    let _ = c.execute(sqlx::AssertSqlSafe(sql)).await;
+                }
+            });
+        });
+        (url, drop)
+    }};
+}
+
+/// Expands to a pool on a server database, with the ledger and the test tables.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+macro_rules! server_pool {
+    ($db:ty, $url:expr, $schema:expr) => {{
+        let pool = sqlx::pool::PoolOptions::<$db>::new()
+            .max_connections(20)
+            .acquire_timeout(Duration::from_secs(20))
+            .connect($url)
+            .await
+            .unwrap();
+        crate::migrate(&pool).await.unwrap();
+        sqlx::raw_sql($schema).execute(&pool).await.unwrap();
+        pool
+    }};
 }
 
 #[cfg(feature = "postgres")]
@@ -102,45 +153,11 @@ impl ConformanceDb for sqlx::Postgres {
 
     async fn fresh() -> (Pool<Self>, Cleanup) {
         let (url, drop) = Self::fresh_url().await;
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(20)
-            .acquire_timeout(Duration::from_secs(20))
-            .connect(&url)
-            .await
-            .unwrap();
-        crate::migrate(&pool).await.unwrap();
-        sqlx::raw_sql(PG_SCHEMA).execute(&pool).await.unwrap();
-        (pool, drop)
+        (server_pool!(sqlx::Postgres, &url, PG_SCHEMA), drop)
     }
 
     async fn fresh_url() -> (String, Cleanup) {
-        use sqlx::{Connection, Executor};
-        let admin = pg_admin_url();
-        let name = unique_name();
-        let mut conn = sqlx::PgConnection::connect(&admin)
-            .await
-            .expect("PostgreSQL is not reachable: start it or set PG_URL");
-        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .unwrap();
-        conn.close().await.unwrap();
-        let url = with_db(&admin, &name);
-        let drop = Cleanup::new(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                if let Ok(mut c) = sqlx::PgConnection::connect(&admin).await {
-                    let _ = c
-                        .execute(sqlx::AssertSqlSafe(format!(
-                            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-                        )))
-                        .await;
-                }
-            });
-        });
-        (url, drop)
+        server_database!(sqlx::PgConnection, pg_admin_url(), " WITH (FORCE)")
     }
 
     async fn insert_order(
@@ -335,45 +352,11 @@ impl ConformanceDb for sqlx::MySql {
 
     async fn fresh() -> (Pool<Self>, Cleanup) {
         let (url, drop) = Self::fresh_url().await;
-        let pool = sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(20)
-            .acquire_timeout(Duration::from_secs(20))
-            .connect(&url)
-            .await
-            .unwrap();
-        crate::migrate(&pool).await.unwrap();
-        sqlx::raw_sql(MYSQL_SCHEMA).execute(&pool).await.unwrap();
-        (pool, drop)
+        (server_pool!(sqlx::MySql, &url, MYSQL_SCHEMA), drop)
     }
 
     async fn fresh_url() -> (String, Cleanup) {
-        use sqlx::{Connection, Executor};
-        let admin = mysql_admin_url();
-        let name = unique_name();
-        let mut conn = sqlx::MySqlConnection::connect(&admin)
-            .await
-            .expect("MariaDB is not reachable: start it or set MYSQL_URL");
-        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .await
-            .unwrap();
-        conn.close().await.unwrap();
-        let url = with_db(&admin, &name);
-        let drop = Cleanup::new(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                if let Ok(mut c) = sqlx::MySqlConnection::connect(&admin).await {
-                    let _ = c
-                        .execute(sqlx::AssertSqlSafe(format!(
-                            "DROP DATABASE IF EXISTS {name}"
-                        )))
-                        .await;
-                }
-            });
-        });
-        (url, drop)
+        server_database!(sqlx::MySqlConnection, mysql_admin_url(), "")
     }
 
     async fn insert_order(
