@@ -169,10 +169,22 @@ async fn http_call(
     key: Option<&str>,
     body: &str,
 ) -> Answer {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+    try_http_call(addr, method, path, principal, key, body)
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// One request on a fresh connection; `Err` when the connection dies.
+async fn try_http_call(
+    addr: &str,
+    method: Method,
+    path: &str,
+    principal: Option<&str>,
+    key: Option<&str>,
+    body: &str,
+) -> Result<Answer, hyper::Error> {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(conn);
     let mut req = Request::builder()
         .method(method)
@@ -187,14 +199,13 @@ async fn http_call(
     }
     let res = sender
         .send_request(req.body(Full::new(Bytes::from(body.to_string()))).unwrap())
-        .await
-        .unwrap();
+        .await?;
     let (parts, body) = res.into_parts();
-    Answer {
+    Ok(Answer {
         status: parts.status,
         headers: parts.headers,
-        body: body.collect().await.unwrap().to_bytes(),
-    }
+        body: body.collect().await?.to_bytes(),
+    })
 }
 
 const ORDER: &str = r#"{"currency":"KRW","items":[{"sku":"A-10","qty":2}],"amount":12000}"#;
@@ -360,19 +371,15 @@ async fn sigkill_mid_transaction_leaves_nothing_and_retry_runs_once<DB: TestDb>(
     s.put_stock("A-10", 5).await;
     let addr = s.addr.clone();
     let inflight = tokio::spawn(async move {
-        let stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        let req = Request::post("/orders")
-            .header("host", addr.as_str())
-            .header("content-type", "application/json")
-            .header("authorization", "Bearer user-42")
-            .header("idempotency-key", KEY)
-            .body(Full::new(Bytes::from(ORDER)))
-            .unwrap();
-        sender.send_request(req).await
+        try_http_call(
+            &addr,
+            Method::POST,
+            "/orders",
+            Some("user-42"),
+            Some(KEY),
+            ORDER,
+        )
+        .await
     });
     // Wait until the handler has written (stock taken inside the open transaction).
     tokio::time::sleep(Duration::from_millis(1000)).await;
