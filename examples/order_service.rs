@@ -309,7 +309,7 @@ order_db!(
 order_db!(
     sqlx::MySql,
     schema: "
-        CREATE TABLE IF NOT EXISTS orders (id VARCHAR(64) PRIMARY KEY, principal VARCHAR(255) NOT NULL,
+        CREATE TABLE IF NOT EXISTS orders (id VARCHAR(64) PRIMARY KEY, principal TEXT NOT NULL,
             currency CHAR(3) NOT NULL, amount BIGINT NOT NULL, memo VARCHAR(500) NOT NULL, created_at BIGINT NOT NULL) ENGINE = InnoDB;
         CREATE TABLE IF NOT EXISTS order_items (order_id VARCHAR(64) NOT NULL, line BIGINT NOT NULL,
             sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL, PRIMARY KEY (order_id, line),

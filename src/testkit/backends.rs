@@ -341,7 +341,7 @@ impl ConformanceDb for sqlx::Sqlite {
 
 #[cfg(feature = "mysql")]
 const MYSQL_SCHEMA: &str = "
-CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, principal VARCHAR(255) NOT NULL, amount BIGINT NOT NULL) ENGINE = InnoDB;
+CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, principal TEXT NOT NULL, amount BIGINT NOT NULL) ENGINE = InnoDB;
 CREATE TABLE stock (sku VARCHAR(64) PRIMARY KEY, qty BIGINT NOT NULL) ENGINE = InnoDB;";
 
 #[cfg(feature = "mysql")]

@@ -806,3 +806,27 @@ pub async fn duplicate_on_another_instance_waits_on_the_database_then_replays<DB
     assert_eq!(h.executions(), 1);
     assert_eq!(h.orders().await, 1);
 }
+
+/// Principals longer than a key column (a JWT subject, say) are scoped by
+/// their hash: retries replay, and two long principals that share a prefix
+/// stay apart.
+pub async fn long_principals_are_scoped_by_their_hash<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app();
+    let alice = format!("{}-alice", "p".repeat(600));
+    let bob = format!("{}-bob", "p".repeat(600));
+    let first = send(&app, order(Some(&alice), KEY, BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let retry = send(&app, order(Some(&alice), KEY, BODY)).await;
+    assert!(retry.replayed());
+    let other = send(&app, order(Some(&bob), KEY, BODY)).await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    assert!(!other.replayed());
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.ledger().await, 2);
+    let hashed = DB::count(
+        &h.pool,
+        "SELECT COUNT(*) FROM idempotency_records WHERE principal_id LIKE 'sha256:%'",
+    )
+    .await;
+    assert_eq!(hashed, 2);
+}
