@@ -830,3 +830,36 @@ pub async fn long_principals_are_scoped_by_their_hash<DB: ConformanceDb>(h: Harn
     .await;
     assert_eq!(hashed, 2);
 }
+
+/// Duplicates that reach the same process wait for the first off the pool:
+/// while the first runs, only its own connection is in use.
+pub async fn waiting_duplicates_hold_no_pooled_connection<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app();
+    let body = r#"{"amount":12000,"sleep_ms":600}"#;
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, order(ALICE, KEY, body)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let duplicates: Vec<_> = (0..20)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { send(&app, order(ALICE, KEY, body)).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let in_use = h.pool.size() as usize - h.pool.num_idle();
+    assert_eq!(
+        in_use, 1,
+        "only the first request's transaction holds a connection"
+    );
+    let first = first.await.unwrap();
+    for d in duplicates {
+        let d = d.await.unwrap();
+        assert_eq!(d.status, StatusCode::CREATED, "{d:?}");
+        assert!(d.replayed());
+        assert_eq!(d.body, first.body);
+    }
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+}

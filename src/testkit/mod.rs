@@ -425,6 +425,7 @@ macro_rules! conformance_suite {
             read_first_path_keeps_the_guarantees,
             duplicate_on_another_instance_waits_on_the_database_then_replays,
             long_principals_are_scoped_by_their_hash,
+            waiting_duplicates_hold_no_pooled_connection,
         );
     };
 }
