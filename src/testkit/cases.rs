@@ -863,3 +863,29 @@ pub async fn waiting_duplicates_hold_no_pooled_connection<DB: ConformanceDb>(h: 
     assert_eq!(h.executions(), 1);
     assert_eq!(h.orders().await, 1);
 }
+
+/// The failure-point table's "after the commit, before the response": the
+/// answer is lost on its way out (an outer layer swallows it), the client
+/// sees only a gateway error and retries. The retry replays the committed
+/// answer; nothing runs twice.
+pub async fn answer_lost_after_commit_is_replayed_not_re_executed<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    use axum::response::IntoResponse;
+    let lossy = h.app().layer(axum::middleware::map_response(
+        |_committed: axum::response::Response| async { StatusCode::BAD_GATEWAY.into_response() },
+    ));
+    let lost = send(&lossy, order(ALICE, KEY, BODY)).await;
+    assert_eq!(lost.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(
+        h.orders().await,
+        1,
+        "the order committed before the answer was lost"
+    );
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+    let retry = send(&h.app(), order(ALICE, KEY, BODY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+}

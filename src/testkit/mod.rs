@@ -426,6 +426,7 @@ macro_rules! conformance_suite {
             duplicate_on_another_instance_waits_on_the_database_then_replays,
             long_principals_are_scoped_by_their_hash,
             waiting_duplicates_hold_no_pooled_connection,
+            answer_lost_after_commit_is_replayed_not_re_executed,
         );
     };
 }
