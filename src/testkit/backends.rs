@@ -28,6 +28,49 @@ macro_rules! simple_queries {
     };
 }
 
+/// The test app's statements for databases that take `$N` parameters and
+/// `RETURNING` (PostgreSQL, and SQLite through sqlx).
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+macro_rules! order_statements {
+    () => {
+        async fn insert_order(
+            conn: &mut Self::Connection,
+            principal: &str,
+            amount: i64,
+        ) -> Result<i64, sqlx::Error> {
+            sqlx::query_scalar("INSERT INTO orders (principal, amount) VALUES ($1, $2) RETURNING id")
+                .bind(principal)
+                .bind(amount)
+                .fetch_one(conn)
+                .await
+        }
+
+        async fn take_stock(
+            conn: &mut Self::Connection,
+            sku: &str,
+            qty: i64,
+        ) -> Result<bool, sqlx::Error> {
+            let done = sqlx::query("UPDATE stock SET qty = qty - $1 WHERE sku = $2 AND qty >= $1")
+                .bind(qty)
+                .bind(sku)
+                .execute(conn)
+                .await?;
+            Ok(done.rows_affected() == 1)
+        }
+
+        async fn set_stock(pool: &Pool<Self>, sku: &str, qty: i64) {
+            sqlx::query(
+                "INSERT INTO stock (sku, qty) VALUES ($1, $2) ON CONFLICT (sku) DO UPDATE SET qty = $2",
+            )
+            .bind(sku)
+            .bind(qty)
+            .execute(pool)
+            .await
+            .unwrap();
+        }
+    };
+}
+
 static SEQ: AtomicUsize = AtomicUsize::new(0);
 
 fn unique_name() -> String {
@@ -148,6 +191,7 @@ CREATE TABLE stock (sku TEXT PRIMARY KEY, qty INTEGER NOT NULL);";
 #[cfg(feature = "postgres")]
 impl ConformanceDb for sqlx::Postgres {
     simple_queries!("SELECT qty FROM stock WHERE sku = $1");
+    order_statements!();
 
     const LABEL: &'static str = "postgres";
 
@@ -158,42 +202,6 @@ impl ConformanceDb for sqlx::Postgres {
 
     async fn fresh_url() -> (String, Cleanup) {
         server_database!(sqlx::PgConnection, pg_admin_url(), " WITH (FORCE)")
-    }
-
-    async fn insert_order(
-        conn: &mut sqlx::PgConnection,
-        principal: &str,
-        amount: i64,
-    ) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar("INSERT INTO orders (principal, amount) VALUES ($1, $2) RETURNING id")
-            .bind(principal)
-            .bind(amount)
-            .fetch_one(conn)
-            .await
-    }
-
-    async fn take_stock(
-        conn: &mut sqlx::PgConnection,
-        sku: &str,
-        qty: i64,
-    ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query("UPDATE stock SET qty = qty - $1 WHERE sku = $2 AND qty >= $1")
-            .bind(qty)
-            .bind(sku)
-            .execute(conn)
-            .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn set_stock(pool: &Pool<Self>, sku: &str, qty: i64) {
-        sqlx::query(
-            "INSERT INTO stock (sku, qty) VALUES ($1, $2) ON CONFLICT (sku) DO UPDATE SET qty = $2",
-        )
-        .bind(sku)
-        .bind(qty)
-        .execute(pool)
-        .await
-        .unwrap();
     }
 
     async fn hold_claim(
@@ -237,7 +245,8 @@ impl ConformanceDb for sqlx::Postgres {
 
 #[cfg(feature = "sqlite")]
 impl ConformanceDb for sqlx::Sqlite {
-    simple_queries!("SELECT qty FROM stock WHERE sku = ?");
+    simple_queries!("SELECT qty FROM stock WHERE sku = $1");
+    order_statements!();
 
     const LABEL: &'static str = "sqlite";
 
@@ -271,42 +280,6 @@ impl ConformanceDb for sqlx::Sqlite {
             }
         });
         (url, drop)
-    }
-
-    async fn insert_order(
-        conn: &mut sqlx::SqliteConnection,
-        principal: &str,
-        amount: i64,
-    ) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar("INSERT INTO orders (principal, amount) VALUES (?, ?) RETURNING id")
-            .bind(principal)
-            .bind(amount)
-            .fetch_one(conn)
-            .await
-    }
-
-    async fn take_stock(
-        conn: &mut sqlx::SqliteConnection,
-        sku: &str,
-        qty: i64,
-    ) -> Result<bool, sqlx::Error> {
-        let done = sqlx::query("UPDATE stock SET qty = qty - ?1 WHERE sku = ?2 AND qty >= ?1")
-            .bind(qty)
-            .bind(sku)
-            .execute(conn)
-            .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn set_stock(pool: &Pool<Self>, sku: &str, qty: i64) {
-        sqlx::query(
-            "INSERT INTO stock (sku, qty) VALUES (?1, ?2) ON CONFLICT (sku) DO UPDATE SET qty = ?2",
-        )
-        .bind(sku)
-        .bind(qty)
-        .execute(pool)
-        .await
-        .unwrap();
     }
 
     async fn hold_claim(
