@@ -92,6 +92,23 @@ impl<DB: TestDb> Service<DB> {
         assert_eq!(a.status, StatusCode::OK, "{a:?}");
     }
 
+    /// Sends the standard order for `user-42` from a task; `Err` when the
+    /// connection dies before the answer.
+    fn order_in_background(&self) -> tokio::task::JoinHandle<Result<Answer, hyper::Error>> {
+        let addr = self.addr.clone();
+        tokio::spawn(async move {
+            try_http_call(
+                &addr,
+                Method::POST,
+                "/orders",
+                Some("user-42"),
+                Some(KEY),
+                ORDER,
+            )
+            .await
+        })
+    }
+
     async fn order(&self, principal: &str, key: &str, body: &str) -> Answer {
         self.call(Method::POST, "/orders", Some(principal), Some(key), body)
             .await
@@ -369,18 +386,7 @@ async fn out_of_stock_on_second_item_leaves_nothing_and_replays<DB: TestDb>() {
 async fn sigkill_mid_transaction_leaves_nothing_and_retry_runs_once<DB: TestDb>() {
     let mut s = Service::<DB>::start(3000).await;
     s.put_stock("A-10", 5).await;
-    let addr = s.addr.clone();
-    let inflight = tokio::spawn(async move {
-        try_http_call(
-            &addr,
-            Method::POST,
-            "/orders",
-            Some("user-42"),
-            Some(KEY),
-            ORDER,
-        )
-        .await
-    });
+    let inflight = s.order_in_background();
     // Wait until the handler has written (stock taken inside the open transaction).
     tokio::time::sleep(Duration::from_millis(1000)).await;
     s.kill_and_restart().await;
@@ -487,18 +493,7 @@ async fn orders_are_visible_to_their_owner_only<DB: TestDb>() {
 async fn sigterm_lets_the_in_flight_order_finish<DB: TestDb>() {
     let mut s = Service::<DB>::start(800).await;
     s.put_stock("A-10", 5).await;
-    let addr = s.addr.clone();
-    let inflight = tokio::spawn(async move {
-        http_call(
-            &addr,
-            Method::POST,
-            "/orders",
-            Some("user-42"),
-            Some(KEY),
-            ORDER,
-        )
-        .await
-    });
+    let inflight = s.order_in_background();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let pid = s.child.id().unwrap().to_string();
     let killed = std::process::Command::new("kill")
@@ -506,7 +501,7 @@ async fn sigterm_lets_the_in_flight_order_finish<DB: TestDb>() {
         .status()
         .unwrap();
     assert!(killed.success());
-    let answer = inflight.await.unwrap();
+    let answer = inflight.await.unwrap().unwrap();
     assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
     let exit = tokio::time::timeout(Duration::from_secs(10), s.child.wait())
         .await

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use http::StatusCode;
 
-use super::{Answer, ConformanceDb, Harness, order, send};
+use super::{ConformanceDb, Harness, order, send};
 use crate::expiry::http_date;
 use crate::{IdempotencyLayer, Sweeper};
 
@@ -337,23 +337,11 @@ pub async fn handler_can_mark_a_response_final_or_retryable<DB: ConformanceDb>(h
     assert_eq!(h.orders().await, 0);
 }
 
-/// Case: concurrent duplicate waits then replays.
+/// A duplicate reaching the same instance while the first runs waits for
+/// it, then replays its answer.
 pub async fn concurrent_duplicate_waits_then_replays<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app();
-    let body = r#"{"amount":12000,"sleep_ms":300}"#;
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move { send(&app, order(ALICE, KEY, body)).await }
-    });
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let second = send(&app, order(ALICE, KEY, body)).await;
-    let first = first.await.unwrap();
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(second.status, StatusCode::CREATED, "{second:?}");
-    assert!(second.replayed());
-    assert_eq!(second.body, first.body);
-    assert_eq!(h.executions(), 1);
-    assert_eq!(h.orders().await, 1);
+    duplicate_during_the_first_replays_it(&h, app.clone(), app).await;
 }
 
 /// Acceptance 6: the claim conflicts with a row nobody can read yet (an
@@ -369,13 +357,13 @@ pub async fn stuck_claim_is_bounded_then_in_flight_409<DB: ConformanceDb>(h: Har
     let app = h.app_with(layer);
     let stuck = DB::hold_claim(&h.pool, "user-42", "POST /orders", "checkout-20260914-001").await;
     let started = Instant::now();
-    let response = app.clone().oneshot_outcome(order(ALICE, KEY, BODY)).await;
+    let response = send(&app, order(ALICE, KEY, BODY)).await;
     let elapsed = started.elapsed();
-    assert_eq!(response.0.status, StatusCode::CONFLICT, "{:?}", response.0);
-    assert_eq!(response.0.problem(), "in-flight");
-    assert!(response.0.headers.contains_key("retry-after"));
+    assert_eq!(response.status, StatusCode::CONFLICT, "{response:?}");
+    assert_eq!(response.problem(), "in-flight");
+    assert!(response.headers.contains_key("retry-after"));
     assert_eq!(
-        response.1,
+        response.outcome,
         Some(crate::IdempotencyOutcome::Refused {
             problem: crate::ProblemKind::InFlight,
             attempts: 3
@@ -392,35 +380,6 @@ pub async fn stuck_claim_is_bounded_then_in_flight_409<DB: ConformanceDb>(h: Har
     assert_eq!(ok.status, StatusCode::CREATED);
     assert_eq!(h.executions(), 1);
     assert_eq!(h.orders().await, 1);
-}
-
-trait OneshotOutcome {
-    async fn oneshot_outcome(
-        self,
-        req: http::Request<axum::body::Body>,
-    ) -> (Answer, Option<crate::IdempotencyOutcome>);
-}
-
-impl OneshotOutcome for axum::Router {
-    async fn oneshot_outcome(
-        self,
-        req: http::Request<axum::body::Body>,
-    ) -> (Answer, Option<crate::IdempotencyOutcome>) {
-        use http_body_util::BodyExt;
-        use tower::ServiceExt;
-        let res = self.oneshot(req).await.unwrap();
-        let outcome = res.extensions().get::<crate::IdempotencyOutcome>().copied();
-        let (parts, body) = res.into_parts();
-        let body = body.collect().await.unwrap().to_bytes();
-        (
-            Answer {
-                status: parts.status,
-                headers: parts.headers,
-                body,
-            },
-            outcome,
-        )
-    }
 }
 
 /// Acceptance 7: a late retry after retention is refused, never re-executed.
@@ -792,12 +751,20 @@ pub async fn read_first_path_keeps_the_guarantees<DB: ConformanceDb>(h: Harness<
 pub async fn duplicate_on_another_instance_waits_on_the_database_then_replays<DB: ConformanceDb>(
     h: Harness<DB>,
 ) {
-    let first_instance = h.app();
-    let second_instance = h.app();
+    duplicate_during_the_first_replays_it(&h, h.app(), h.app()).await;
+}
+
+/// A slow first request through `first`, its duplicate through `second`
+/// while it runs: one execution, and the duplicate replays its answer.
+async fn duplicate_during_the_first_replays_it<DB: ConformanceDb>(
+    h: &Harness<DB>,
+    first: axum::Router,
+    second: axum::Router,
+) {
     let body = r#"{"amount":12000,"sleep_ms":300}"#;
-    let first = tokio::spawn(async move { send(&first_instance, order(ALICE, KEY, body)).await });
+    let first = tokio::spawn(async move { send(&first, order(ALICE, KEY, body)).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let second = send(&second_instance, order(ALICE, KEY, body)).await;
+    let second = send(&second, order(ALICE, KEY, body)).await;
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(second.status, StatusCode::CREATED, "{second:?}");

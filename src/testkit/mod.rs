@@ -349,6 +349,8 @@ pub struct Answer {
     pub headers: HeaderMap,
     /// The response body, byte for byte.
     pub body: Bytes,
+    /// What the layer reported it did, from the response extensions.
+    pub outcome: Option<crate::IdempotencyOutcome>,
 }
 
 impl Answer {
@@ -382,6 +384,7 @@ pub async fn send(app: &Router, req: Request<axum::body::Body>) -> Answer {
     let body = body.collect().await.unwrap().to_bytes();
     Answer {
         status: parts.status,
+        outcome: parts.extensions.get().copied(),
         headers: parts.headers,
         body,
     }
