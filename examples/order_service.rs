@@ -49,6 +49,7 @@ use axum::{Extension, Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::Pool;
+use tower_idempotency::store::StoreErrorKind;
 use tower_idempotency::{
     Backend, FingerprintError, IdempotencyLayer, Normalizer, Principal, ResourceId, Sweeper, Tx,
 };
@@ -363,6 +364,27 @@ fn internal(e: impl std::fmt::Display) -> Response {
     )
 }
 
+/// A database error: a lost connection, a busy store or a serialization
+/// conflict rolled everything back and is worth a retry (`503` with
+/// `Retry-After`); anything else is a bug (`500`).
+fn db_error<DB: Backend>(e: sqlx::Error) -> Response {
+    match DB::error_kind(&e) {
+        StoreErrorKind::ConnectionLost | StoreErrorKind::Busy | StoreErrorKind::Conflict => {
+            eprintln!("order_service: transient database error: {e}");
+            let mut res = problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "Temporarily unavailable",
+                "the database could not complete the order; nothing was kept, retry with the same key".into(),
+            );
+            res.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+            res
+        }
+        _ => internal(e),
+    }
+}
+
 /// Demo authentication: any non-empty Bearer token is the principal.
 async fn authenticate(mut req: Request, next: Next) -> Response {
     let token = req
@@ -423,11 +445,11 @@ async fn create_order<DB: OrderDb>(
         created_at: now_ms(),
     };
     if let Err(e) = DB::insert_order(&mut conn, &order).await {
-        return internal(e);
+        return db_error::<DB>(e);
     }
     for (line, item) in (1..).zip(&input.items) {
         if let Err(e) = DB::insert_item(&mut conn, &order.id, line, item).await {
-            return internal(e);
+            return db_error::<DB>(e);
         }
     }
     for item in &input.items {
@@ -439,7 +461,7 @@ async fn create_order<DB: OrderDb>(
                 let detail = format!("not enough stock for {} (wanted {})", item.sku, item.qty);
                 return problem(StatusCode::CONFLICT, "out-of-stock", "Out of stock", detail);
             }
-            Err(e) => return internal(e),
+            Err(e) => return db_error::<DB>(e),
         }
     }
     if !app.handler_delay.is_zero() {
@@ -469,7 +491,7 @@ async fn get_order<DB: OrderDb>(
             "Not found",
             format!("no order {id}"),
         ),
-        Err(e) => internal(e),
+        Err(e) => db_error::<DB>(e),
     }
 }
 
@@ -493,7 +515,7 @@ async fn put_stock<DB: OrderDb>(
     }
     match DB::set_stock(&app.pool, &sku, body.qty).await {
         Ok(()) => Json(json!({"sku": sku, "qty": body.qty})).into_response(),
-        Err(e) => internal(e),
+        Err(e) => db_error::<DB>(e),
     }
 }
 
@@ -506,30 +528,33 @@ async fn get_stock<DB: OrderDb>(State(app): State<App<DB>>, Path(sku): Path<Stri
             "Not found",
             format!("no stock for {sku}"),
         ),
-        Err(e) => internal(e),
+        Err(e) => db_error::<DB>(e),
     }
 }
 
-fn router<DB: OrderDb>(pool: Pool<DB>, handler_delay: Duration) -> Router {
+fn router<DB: OrderDb>(
+    pool: Pool<DB>,
+    handler_delay: Duration,
+) -> Result<Router, tower_idempotency::ConfigError> {
     // Retention: a key replays for 24 hours, then answers 410 with a link to
     // the order; tombstones are kept 90 days (see the sweeper in `serve`).
     let idempotency = IdempotencyLayer::new(pool.clone())
         .with_operation("create-order")
         .with_normalizer(Normalizer::custom(normalize_order))
-        .with_retention(Duration::from_secs(24 * 3600))
+        .with_retention(Duration::from_secs(24 * 3600))?
         .with_resource_link(|id| format!("/orders/{id}"));
     let orders = Router::new()
         .route("/orders", post(create_order::<DB>).layer(idempotency))
         .route("/orders/{id}", get(get_order::<DB>))
         .layer(middleware::from_fn(authenticate));
-    Router::new()
+    Ok(Router::new()
         .merge(orders)
         .route("/stock/{sku}", get(get_stock::<DB>).put(put_stock::<DB>))
         .route("/health", get(|| async { "ok" }))
         .with_state(App {
             pool,
             handler_delay,
-        })
+        }))
 }
 
 async fn serve<DB: OrderDb>(
@@ -545,7 +570,7 @@ async fn serve<DB: OrderDb>(
         "order_service listening on http://{} (store: {store})",
         listener.local_addr()?
     );
-    axum::serve(listener, router(pool.clone(), args.handler_delay))
+    axum::serve(listener, router(pool.clone(), args.handler_delay)?)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
     sweeper.abort();

@@ -2,7 +2,9 @@
 //!
 //! Every claim stores `expires_at = claim time + retention` (the layer's
 //! [`with_retention`](crate::IdempotencyLayer::with_retention), 24 hours by
-//! default). Until then a retry with the key replays the stored answer. From
+//! default), both taken from the **database's clock**, as is every later
+//! expiry decision and the sweeper's `now`: application instances whose
+//! clocks disagree still agree on when a key expires. Until then a retry with the key replays the stored answer. From
 //! then on the key is refused with `410 Gone` and never executed again, the
 //! same whether or not a sweeper has already turned the row into an
 //! `EXPIRED` tombstone, so behaviour never depends on sweeper timing. A client
@@ -18,28 +20,14 @@ use crate::store::{Backend, Record, RecordStatus};
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// A duration in whole milliseconds, saturating.
-fn millis(d: Duration) -> i64 {
+pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// Now, in Unix epoch milliseconds (the unit of the ledger's time columns).
-pub(crate) fn now_ms() -> i64 {
-    millis(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default(),
-    )
-}
-
-/// `now + retention`, in epoch milliseconds, saturating.
-pub(crate) fn expires_at(now: i64, retention: Duration) -> i64 {
-    now.saturating_add(millis(retention))
-}
-
-/// A tombstone, or a terminal row whose retention has ended.
-pub(crate) fn is_expired(record: &Record, now: i64) -> bool {
-    record.status == RecordStatus::Expired
-        || (record.status.is_terminal() && now >= record.expires_at)
+/// A tombstone, or a terminal row whose retention has ended on the
+/// database's clock.
+pub(crate) fn is_expired(record: &Record) -> bool {
+    record.status == RecordStatus::Expired || (record.status.is_terminal() && record.past_expiry)
 }
 
 /// The response header that tells the client until when its key is honoured
@@ -126,16 +114,20 @@ impl<DB: Backend> Sweeper<DB> {
         self
     }
 
-    /// Sweeps now.
+    /// Sweeps now, by the database's clock.
     pub async fn sweep(&self) -> Result<SweepReport, sqlx::Error> {
-        self.sweep_at(SystemTime::now()).await
+        self.sweep_until(None).await
     }
 
     /// Sweeps as if the time were `now` (for operators catching up, and for
     /// tests that control time instead of sleeping).
     pub async fn sweep_at(&self, now: SystemTime) -> Result<SweepReport, sqlx::Error> {
         let now = millis(now.duration_since(UNIX_EPOCH).unwrap_or_default());
-        let purge_before = now.saturating_sub(millis(self.tombstone_retention));
+        self.sweep_until(Some(now)).await
+    }
+
+    async fn sweep_until(&self, now: Option<i64>) -> Result<SweepReport, sqlx::Error> {
+        let keep = millis(self.tombstone_retention);
         let mut report = SweepReport::default();
         // Expire first, then purge; each phase until a short batch.
         for expiring in [true, false] {
@@ -146,7 +138,7 @@ impl<DB: Backend> Sweeper<DB> {
                     report.expired += n;
                     n
                 } else {
-                    let n = DB::purge_batch(&self.pool, purge_before, self.batch_size).await?;
+                    let n = DB::purge_batch(&self.pool, now, keep, self.batch_size).await?;
                     report.purged += n;
                     n
                 };

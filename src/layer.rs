@@ -14,7 +14,7 @@ use crate::key::KeyMode;
 use crate::local::LocalClaims;
 use crate::scope::{Principal, PrincipalFn, principal_from_extensions};
 use crate::service::Idempotency;
-use crate::store::Backend;
+use crate::store::{Backend, IsolationLevel};
 
 /// Adds the idempotency guarantee to a service: for guarded methods (POST and
 /// PATCH by default) a request with an `Idempotency-Key` takes effect at most
@@ -65,6 +65,9 @@ pub(crate) struct Config {
     pub(crate) local: Arc<LocalClaims>,
     pub(crate) read_first: bool,
     pub(crate) resource_link: Option<ResourceLinkFn>,
+    pub(crate) isolation: IsolationLevel,
+    pub(crate) max_waiting: usize,
+    pub(crate) waiters: Arc<tokio::sync::Semaphore>,
 }
 
 pub(crate) type ResourceLinkFn = Arc<dyn Fn(&str) -> String + Send + Sync>;
@@ -88,6 +91,8 @@ impl std::fmt::Debug for Config {
             .field("recorded_headers", &self.recorded_headers)
             .field("hash_keys", &self.hash_keys)
             .field("read_first", &self.read_first)
+            .field("isolation", &self.isolation)
+            .field("max_waiting", &self.max_waiting)
             .finish_non_exhaustive()
     }
 }
@@ -104,7 +109,7 @@ impl Config {
 pub enum ConfigError {
     /// The status for a key reused with a different request must be `409` or `422`.
     MismatchStatus(StatusCode),
-    /// A limit, wait or count was zero.
+    /// A limit, wait, count or retention was zero.
     Zero(&'static str),
 }
 
@@ -123,6 +128,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// A layer that keeps its ledger in `pool`'s database. Create the ledger
     /// table first with [`migrate`](crate::migrate).
     pub fn new(pool: Pool<DB>) -> Self {
+        let max_waiting = default_max_waiting(pool.options().get_max_connections());
         Self {
             pool,
             config: Config {
@@ -140,11 +146,14 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 claim_deadline: Duration::from_secs(10),
                 mismatch_status: StatusCode::UNPROCESSABLE_ENTITY,
                 replayed_header: true,
-                recorded_headers: vec![header::CONTENT_TYPE, header::LOCATION],
+                recorded_headers: default_recorded_headers(),
                 hash_keys: false,
                 read_first: false,
                 resource_link: None,
                 local: Arc::default(),
+                isolation: IsolationLevel::default(),
+                max_waiting,
+                waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
             },
         }
     }
@@ -226,27 +235,52 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         Ok(self)
     }
 
-    /// How long a key is honoured after its first use: retries within it
-    /// replay, later ones get `410`. Part of your API contract: publish it.
-    /// The default is 24 hours.
-    #[must_use]
-    pub fn with_retention(mut self, retention: Duration) -> Self {
-        self.config.retention = retention;
-        self
+    /// How long a key is honoured after its first use, on the database's
+    /// clock: retries within it replay, later ones get `410`. Part of your
+    /// API contract: publish it. Zero is refused (every retry would be
+    /// `410`). The default is 24 hours.
+    pub fn with_retention(mut self, retention: Duration) -> Result<Self, ConfigError> {
+        self.config.retention = nonzero(retention, "retention")?;
+        Ok(self)
     }
 
-    /// How long one claim attempt waits for a first request that still holds
-    /// the key, before answering `409` with `Retry-After` (the wait holds a
-    /// pooled connection, so keep it short). On SQLite the connection's
-    /// `busy_timeout` bounds the wait instead. The default is 2 seconds.
+    /// The longest a request waits, in all, for another request that holds
+    /// its key (a duplicate sent while the first still runs) before it is
+    /// answered `409` with `Retry-After`. The one bound covers the wait in
+    /// this process, the database lock waits of every claim attempt, the
+    /// backoff between them and acquiring pooled connections. On SQLite the
+    /// connection's `busy_timeout` bounds each database wait instead; on
+    /// MySQL lock waits are whole seconds. The default is 2 seconds.
     pub fn with_in_flight_wait(mut self, wait: Duration) -> Result<Self, ConfigError> {
         self.config.in_flight_wait = nonzero(wait, "in_flight_wait")?;
         Ok(self)
     }
 
+    /// How many pooled connections requests that wait on another request's
+    /// claim may hold at once, per layer. A duplicate that finds them all
+    /// taken gets `409` with `Retry-After` at once, so requests with keys
+    /// nobody contends always find a connection. A request not yet known to
+    /// wait probes a held key for at most 50 ms without a permit. The
+    /// default is a quarter of the pool's `max_connections`, at least 1.
+    pub fn with_max_waiting(mut self, connections: usize) -> Result<Self, ConfigError> {
+        self.config.max_waiting = nonzero(connections, "max_waiting")?;
+        self.config.waiters = Arc::new(tokio::sync::Semaphore::new(connections));
+        Ok(self)
+    }
+
+    /// The isolation level of the claimed transaction the handler writes on
+    /// (see [`IsolationLevel`]); it applies to that transaction only. The
+    /// default is [`IsolationLevel::ReadCommitted`].
+    #[must_use]
+    pub fn with_isolation_level(mut self, level: IsolationLevel) -> Self {
+        self.config.isolation = level;
+        self
+    }
+
     /// The bounds on claiming a contested key: at most `attempts` tries, with
-    /// jittered backoff between them, all within `deadline`. The default is
-    /// 3 attempts within 10 seconds.
+    /// jittered backoff between them, all within `deadline` (and within the
+    /// in-flight wait, whichever ends first). The default is 3 attempts
+    /// within 10 seconds.
     pub fn with_claim_retries(
         mut self,
         attempts: u32,
@@ -275,7 +309,10 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     }
 
     /// The response headers recorded and replayed besides status and body.
-    /// The default is `content-type` and `location`.
+    /// The default is the headers that describe the body's representation
+    /// (`content-type`, `content-encoding`, `content-language`,
+    /// `content-location`) and `location`, so a compressed answer replays
+    /// decodable.
     #[must_use]
     pub fn with_recorded_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config.recorded_headers = headers.into_iter().collect();
@@ -317,6 +354,22 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         self.config.resource_link = Some(Arc::new(link));
         self
     }
+}
+
+/// The headers recorded by default: the body's representation and `Location`.
+fn default_recorded_headers() -> Vec<HeaderName> {
+    vec![
+        header::CONTENT_TYPE,
+        header::CONTENT_ENCODING,
+        header::CONTENT_LANGUAGE,
+        header::CONTENT_LOCATION,
+        header::LOCATION,
+    ]
+}
+
+/// A quarter of the pool, at least one connection.
+fn default_max_waiting(pool_size: u32) -> usize {
+    usize::try_from(pool_size / 4).unwrap_or(1).max(1)
 }
 
 fn nonzero<T: Default + PartialEq>(value: T, what: &'static str) -> Result<T, ConfigError> {

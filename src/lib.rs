@@ -160,7 +160,9 @@ mod key;
 mod layer;
 mod local;
 mod observe;
+mod path;
 pub mod problem;
+mod reconcile;
 mod replay;
 mod scope;
 mod service;
@@ -178,10 +180,11 @@ pub use fingerprint::{Fingerprint, FingerprintError, Normalizer};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyMode, MAX_KEY_LEN};
 pub use layer::{ConfigError, IdempotencyLayer};
 pub use problem::ProblemKind;
+pub use reconcile::{Reconciler, Resolution};
 pub use replay::IDEMPOTENT_REPLAYED;
 pub use scope::Principal;
 pub use service::{Idempotency, IdempotencyOutcome, ResponseFuture};
-pub use store::{Backend, migrate};
+pub use store::{Backend, IsolationLevel, UnresolvedRecord, migrate};
 pub use tx::{Tx, TxError, TxGuard};
 
 /// The `sqlx` this crate is built on; its types appear in the public API.

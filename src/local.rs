@@ -23,6 +23,17 @@ pub(crate) struct LocalClaims {
     running: Mutex<HashMap<String, watch::Receiver<()>>>,
 }
 
+/// What [`LocalClaims::lead_or_wait`] found.
+pub(crate) enum Local {
+    /// This request is the scope's first in this process; the token is
+    /// held (for its `Drop`) until the answer is settled.
+    Leader { _token: Leader },
+    /// Another request of the scope ran here and has answered.
+    Finished,
+    /// Another request of the scope is still running after the wait.
+    StillRunning,
+}
+
 /// Held by the first request of a scope; dropping it (answered, failed,
 /// cancelled or panicked alike) releases the waiters.
 pub(crate) struct Leader {
@@ -44,12 +55,8 @@ impl LocalClaims {
     }
 
     /// Becomes the scope's leader, or waits (at most `wait`) for the
-    /// current leader to finish and returns `None`.
-    pub(crate) async fn lead_or_wait(
-        self: &Arc<Self>,
-        scope: &Scope<'_>,
-        wait: Duration,
-    ) -> Option<Leader> {
+    /// current leader to finish.
+    pub(crate) async fn lead_or_wait(self: &Arc<Self>, scope: &Scope<'_>, wait: Duration) -> Local {
         let key = format!("{}\0{}\0{}", scope.principal, scope.operation, scope.key);
         let mut running = {
             let mut map = self.lock();
@@ -58,17 +65,21 @@ impl LocalClaims {
                 None => {
                     let (tx, rx) = watch::channel(());
                     map.insert(key.clone(), rx);
-                    return Some(Leader {
-                        claims: Arc::clone(self),
-                        key,
-                        _done: tx,
-                    });
+                    return Local::Leader {
+                        _token: Leader {
+                            claims: Arc::clone(self),
+                            key,
+                            _done: tx,
+                        },
+                    };
                 }
             }
         };
         // Resolves when the leader drops its sender.
-        let _ = tokio::time::timeout(wait, running.changed()).await;
-        None
+        match tokio::time::timeout(wait, running.changed()).await {
+            Ok(_) => Local::Finished,
+            Err(_) => Local::StillRunning,
+        }
     }
 }
 
@@ -88,14 +99,14 @@ mod tests {
     async fn second_waits_for_the_first_and_the_map_empties() {
         let claims = Arc::new(LocalClaims::default());
         let leader = claims.lead_or_wait(&scope(), Duration::from_secs(5)).await;
-        assert!(leader.is_some());
+        assert!(matches!(leader, Local::Leader { .. }));
         let waiter = {
             let claims = Arc::clone(&claims);
             tokio::spawn(async move {
-                claims
-                    .lead_or_wait(&scope(), Duration::from_secs(5))
-                    .await
-                    .is_none()
+                matches!(
+                    claims.lead_or_wait(&scope(), Duration::from_secs(5)).await,
+                    Local::Finished
+                )
             })
         };
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -106,12 +117,12 @@ mod tests {
         // The wait is bounded.
         let _leader = claims.lead_or_wait(&scope(), Duration::from_secs(5)).await;
         let started = std::time::Instant::now();
-        assert!(
+        assert!(matches!(
             claims
                 .lead_or_wait(&scope(), Duration::from_millis(50))
-                .await
-                .is_none()
-        );
+                .await,
+            Local::StillRunning
+        ));
         assert!(started.elapsed() < Duration::from_secs(2));
     }
 }

@@ -5,7 +5,8 @@
 //! first 8 bytes of SHA-256 of the key, hex: keys can carry personal data and
 //! are never logged raw), `outcome`, `claim_ms`, `handler_ms`, `commit_ms`.
 //! One event closes each guarded request: DEBUG for the expected outcomes,
-//! WARN for store failures, unconfirmed commits and held transactions.
+//! WARN for store failures, unconfirmed commits and held transactions,
+//! ERROR for a handler that ended the claimed transaction itself.
 //! Request and response bodies are never logged.
 //!
 //! Metrics (feature `metrics`, through the `metrics` facade):
@@ -26,7 +27,8 @@ impl IdempotencyOutcome {
     /// A stable label for logs and metrics: `claimed`, `replayed`,
     /// `mismatch`, `in-flight`, `unconfirmed`, `expired`,
     /// `transient-rollback`, `final-failure`, `rejected`, `refused` (bad
-    /// input), `store-unavailable`, `commit-unknown`, `unguarded`.
+    /// input), `store-unavailable`, `store-busy`, `transaction-conflict`,
+    /// `transaction-ended`, `reconciling`, `commit-unknown`, `unguarded`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Unguarded => "unguarded",
@@ -41,6 +43,10 @@ impl IdempotencyOutcome {
                 ProblemKind::Unconfirmed => "unconfirmed",
                 ProblemKind::Expired => "expired",
                 ProblemKind::StoreUnavailable => "store-unavailable",
+                ProblemKind::StoreBusy => "store-busy",
+                ProblemKind::TransactionConflict => "transaction-conflict",
+                ProblemKind::TransactionEnded => "transaction-ended",
+                ProblemKind::Reconciling => "reconciling",
                 ProblemKind::CommitUnknown => "commit-unknown",
                 ProblemKind::ResponseTooLarge
                 | ProblemKind::ResponseUnreadable
@@ -89,7 +95,13 @@ pub(crate) fn finish(outcome: Option<&IdempotencyOutcome>) {
     #[cfg(feature = "metrics")]
     metrics::counter!("idempotency_requests_total", "outcome" => label).increment(1);
     match label {
-        "store-unavailable" | "commit-unknown" | "error" => {
+        "transaction-ended" => {
+            tracing::error!(
+                outcome = label,
+                "the handler ended the claimed transaction itself; the key needs reconciliation"
+            )
+        }
+        "store-unavailable" | "store-busy" | "commit-unknown" | "error" => {
             tracing::warn!(outcome = label, "idempotent request not settled")
         }
         "transient-rollback" => tracing::debug!(outcome = label, "idempotent request rolled back"),

@@ -22,6 +22,10 @@
 //! | [`ResponseTooLarge`](ProblemKind::ResponseTooLarge) | 500 | `#response-too-large` | the handler's answer was over the recording limit; rolled back |
 //! | [`ResponseUnreadable`](ProblemKind::ResponseUnreadable) | 500 | `#response-unreadable` | the handler's body failed while being recorded; rolled back |
 //! | [`TransactionHeld`](ProblemKind::TransactionHeld) | 500 | `#transaction-held` | the handler kept the transaction handle past its response; rolled back |
+//! | [`StoreBusy`](ProblemKind::StoreBusy) | 503 + `Retry-After` | `#store-busy` | the store is busy (SQLite's write lock, no free pooled connection); nothing was executed |
+//! | [`TransactionConflict`](ProblemKind::TransactionConflict) | 503 + `Retry-After` | `#transaction-conflict` | a serialization failure or deadlock at commit; everything was rolled back |
+//! | [`TransactionEnded`](ProblemKind::TransactionEnded) | 500 | `#transaction-ended` | the handler ended the claimed transaction itself (`COMMIT`, `ROLLBACK`, implicitly committing DDL); what it committed stays, and the key answers `#reconciling` until an operator resolves it |
+//! | [`Reconciling`](ProblemKind::Reconciling) | 503 + `Retry-After` | `#reconciling` | the outcome of the first request with this key is unknown; it is never executed again automatically, and an operator resolves it (see [`Reconciler`](crate::Reconciler)) |
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
@@ -66,6 +70,15 @@ pub enum ProblemKind {
     ResponseUnreadable,
     /// The handler still held the transaction when its response was ready.
     TransactionHeld,
+    /// The store is busy: SQLite's write lock is held, or the pool has no
+    /// free connection within the wait. Nothing was executed.
+    StoreBusy,
+    /// A serialization failure or deadlock at commit: nothing was committed.
+    TransactionConflict,
+    /// The handler ended the claimed transaction itself.
+    TransactionEnded,
+    /// The key's first request has an unknown outcome, awaiting an operator.
+    Reconciling,
 }
 
 impl ProblemKind {
@@ -86,6 +99,10 @@ impl ProblemKind {
             Self::ResponseTooLarge => "response-too-large",
             Self::ResponseUnreadable => "response-unreadable",
             Self::TransactionHeld => "transaction-held",
+            Self::StoreBusy => "store-busy",
+            Self::TransactionConflict => "transaction-conflict",
+            Self::TransactionEnded => "transaction-ended",
+            Self::Reconciling => "reconciling",
         }
     }
 
@@ -110,6 +127,10 @@ impl ProblemKind {
             Self::ResponseTooLarge => "Response too large to record",
             Self::ResponseUnreadable => "Response could not be recorded",
             Self::TransactionHeld => "Transaction handle held past the response",
+            Self::StoreBusy => "Idempotency store busy",
+            Self::TransactionConflict => "Transaction conflict",
+            Self::TransactionEnded => "Transaction ended by the handler",
+            Self::Reconciling => "Outcome unknown, awaiting reconciliation",
         }
     }
 
@@ -121,10 +142,15 @@ impl ProblemKind {
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::InFlight | Self::Unconfirmed => StatusCode::CONFLICT,
             Self::Expired => StatusCode::GONE,
-            Self::CommitUnknown | Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::ResponseTooLarge | Self::ResponseUnreadable | Self::TransactionHeld => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Self::CommitUnknown
+            | Self::StoreUnavailable
+            | Self::StoreBusy
+            | Self::TransactionConflict
+            | Self::Reconciling => StatusCode::SERVICE_UNAVAILABLE,
+            Self::ResponseTooLarge
+            | Self::ResponseUnreadable
+            | Self::TransactionHeld
+            | Self::TransactionEnded => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 }

@@ -11,14 +11,26 @@
 //!   [`IdempotencyLayer::unscoped`](crate::IdempotencyLayer::unscoped) puts
 //!   every request in one shared scope: a conscious choice for services
 //!   without authentication.
-//! - **Operation**: by default the method and route template (axum's
-//!   `MatchedPath` when the `axum` feature is on and the router set it, else
-//!   the request path), such as `POST /orders`. Name it explicitly with
+//! - **Operation**: by default the method and the route:
+//!   - with the layer on an axum route or router (`Router::layer`,
+//!     `MethodRouter::layer`: the `axum` feature, and the router has set
+//!     `MatchedPath`), the route template, such as `POST /orders/{id}/pay`:
+//!     one operation for every order, told apart by the fingerprint, which
+//!     hashes the path;
+//!   - with the layer outside the router (`ServiceBuilder` around a router,
+//!     plain hyper), the request path, normalized per RFC 3986 §6.2.2
+//!     (unreserved escapes decoded, other escapes upper-cased, dot segments
+//!     removed), so `/orders/abc/pay` and `/orders/%61bc/pay` are one
+//!     operation.
+//!
+//!   Name it explicitly with
 //!   [`IdempotencyLayer::with_operation`](crate::IdempotencyLayer::with_operation)
 //!   so that renaming a route never silently changes scopes.
 //!
 //! Values longer than 255 bytes are stored as `sha256:<hex>` of the value,
-//! which keeps them distinct and fits every backend's key columns.
+//! which keeps them distinct and fits every backend's key columns. A value
+//! that itself starts with `sha256:` is stored hashed too, so a literal
+//! principal can never meet a long principal's hashed form.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -57,12 +69,20 @@ pub(crate) fn default_operation(parts: &Parts) -> String {
     if let Some(path) = parts.extensions.get::<axum::extract::MatchedPath>() {
         return format!("{} {}", parts.method, path.as_str());
     }
-    format!("{} {}", parts.method, parts.uri.path())
+    format!(
+        "{} {}",
+        parts.method,
+        crate::path::normalize(parts.uri.path())
+    )
 }
 
-/// Keeps a scope column within 255 bytes without making two values equal.
+/// Marks a stored value as a hash of the real one.
+const HASHED: &str = "sha256:";
+
+/// Keeps a scope column within 255 bytes without making two values equal:
+/// long values, and values that look hashed, are stored hashed.
 pub(crate) fn bounded(value: &str) -> Cow<'_, str> {
-    if value.len() <= 255 {
+    if value.len() <= 255 && !value.starts_with(HASHED) {
         Cow::Borrowed(value)
     } else {
         hashed(value)
@@ -73,8 +93,8 @@ pub(crate) fn bounded(value: &str) -> Cow<'_, str> {
 /// value itself is not stored.
 pub(crate) fn hashed(value: &str) -> Cow<'static, str> {
     let digest = Sha256::digest(value.as_bytes());
-    let mut out = String::with_capacity(7 + 64);
-    out.push_str("sha256:");
+    let mut out = String::with_capacity(HASHED.len() + 64);
+    out.push_str(HASHED);
     for b in digest {
         out.push_str(&format!("{b:02x}"));
     }
@@ -93,6 +113,11 @@ mod tests {
         assert_eq!(bounded(&long_a).len(), 71);
         assert_ne!(bounded(&long_a), bounded(&long_b));
         assert!(bounded(&long_a).starts_with("sha256:"));
+        // A literal value in the hashed form is hashed again: it never
+        // equals the stored form of the long value it spells.
+        let spelled = bounded(&long_a).into_owned();
+        assert_ne!(bounded(&spelled), bounded(&long_a));
+        assert_eq!(bounded(&spelled), hashed(&spelled));
     }
 
     #[test]
@@ -102,5 +127,10 @@ mod tests {
             .unwrap()
             .into_parts();
         assert_eq!(default_operation(&parts), "POST /orders");
+        let (parts, ()) = http::Request::post("/orders/%61bc/./pay")
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert_eq!(default_operation(&parts), "POST /orders/abc/pay");
     }
 }

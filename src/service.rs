@@ -20,15 +20,19 @@ use tracing::Instrument;
 
 use crate::body::IdempotencyBody;
 use crate::classify::{Classification, ResourceId};
-use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, expires_at, http_date, is_expired, now_ms};
+use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date, is_expired, millis};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::layer::Config;
+use crate::local::Local;
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
 use crate::scope::{bounded, default_operation, hashed};
-use crate::store::{Backend, Claim, Completion, Record, RecordStatus, Scope, StoreErrorKind};
+use crate::store::{
+    Backend, Claim, ClaimOutcome, Completion, IsolationLevel, Record, RecordStatus, Scope,
+    StoreErrorKind,
+};
 use crate::tx::Tx;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -183,13 +187,8 @@ fn refuse<B>(problem: Problem, attempts: u32) -> Response<IdempotencyBody<B>> {
     buffered(res, outcome)
 }
 
-/// What a read of the ledger says about a request.
-enum Verdict {
-    /// Answer with this, without running the handler.
-    Answer((Response<Bytes>, IdempotencyOutcome)),
-    /// The key is held by a request still running.
-    InFlight,
-}
+/// An answer the layer gives without running the handler.
+type Answer = (Response<Bytes>, IdempotencyOutcome);
 
 /// The outcome of the claim stage.
 enum Claimed<DB: Backend> {
@@ -197,7 +196,15 @@ enum Claimed<DB: Backend> {
     /// transaction is past its savepoint.
     Won(Transaction<'static, DB>, i64),
     /// Answer without running the handler.
-    Answer((Response<Bytes>, IdempotencyOutcome)),
+    Answer(Answer),
+}
+
+/// Why one claim attempt did not settle the request.
+enum Pending {
+    /// Another request holds the key.
+    InFlight,
+    /// The key is taken but its record could not be read.
+    Unconfirmed,
 }
 
 /// Who is asking for what: the scope and the request's fingerprint.
@@ -205,6 +212,14 @@ struct Identity<'a> {
     scope: Scope<'a>,
     fingerprint: Fingerprint,
 }
+
+/// The first attempt of a request not known to be a duplicate waits this
+/// long at most on another claimer's row; longer waits need a waiter permit.
+const PROBE_WAIT: Duration = Duration::from_millis(50);
+
+/// A read of the ledger gets at least this long, even when the wait budget
+/// is spent: a lost claim must still be explained.
+const MIN_READ_WAIT: Duration = Duration::from_millis(250);
 
 /// The state one guarded request runs with.
 struct Run<DB: Backend> {
@@ -291,10 +306,19 @@ impl<DB: Backend> Run<DB> {
             fingerprint,
         };
         let claiming = Instant::now();
+        // One bound on everything a request spends waiting for another
+        // request with its key: the local wait, lock waits, backoff and
+        // acquiring connections.
+        let deadline = claiming + cfg.in_flight_wait.min(cfg.claim_deadline);
         // A duplicate of a request running in this process waits here, off
         // the pool; the leader's token lives until the answer is settled.
-        let leader = cfg.local.lead_or_wait(&id.scope, cfg.in_flight_wait).await;
-        let claimed = self.claim(&id, leader.is_none()).await;
+        let local_wait = deadline.saturating_duration_since(Instant::now());
+        let local = cfg.local.lead_or_wait(&id.scope, local_wait).await;
+        let claimed = match &local {
+            Local::StillRunning => Claimed::Answer(self.pending(Pending::InFlight, 0)),
+            Local::Finished => self.claim(&id, true, deadline).await,
+            Local::Leader { .. } => self.claim(&id, false, deadline).await,
+        };
         observe::timing("claim_ms", claiming.elapsed());
         match claimed {
             Claimed::Won(tx, expires_at) => {
@@ -306,42 +330,41 @@ impl<DB: Backend> Run<DB> {
     }
 
     /// Claims the scope, or finds the answer a retry gets: at most the
-    /// configured attempts, within the configured deadline.
-    async fn claim(&self, id: &Identity<'_>, duplicate: bool) -> Claimed<DB> {
+    /// configured attempts, all before `deadline`.
+    async fn claim(&self, id: &Identity<'_>, duplicate: bool, deadline: Instant) -> Claimed<DB> {
         let cfg = &self.config;
-        let deadline = Instant::now() + cfg.claim_deadline;
         let mut attempts = 0;
         // Claim first by default: a first execution then costs no read. A
         // known duplicate, and every retry after a contended attempt, reads
         // first.
         let mut read_first = cfg.read_first || duplicate;
+        // A request known to wait on another request's claim holds one of
+        // the layer's waiter permits while it holds a connection to wait.
+        let mut waiting = duplicate;
         let pending = loop {
             attempts += 1;
-            let settled = if read_first {
-                self.lookup(id).await
-            } else {
-                Ok(None)
-            };
+            if read_first {
+                match self.lookup(id, deadline).await {
+                    Ok(Some(answer)) => return Claimed::Answer(with_attempts(answer, attempts)),
+                    Ok(None) => {}
+                    Err(e) => return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts)),
+                }
+            }
             read_first = true;
-            let pending = match settled {
-                Ok(Some(Verdict::Answer(answer))) => return Claimed::Answer(answer),
-                Ok(Some(Verdict::InFlight)) => ProblemKind::InFlight,
-                Ok(None) => match self.try_claim(id, deadline).await {
-                    Ok(Some((tx, expires_at))) => return Claimed::Won(tx, expires_at),
-                    // Lost to a committed row: a fresh read explains it.
-                    Ok(None) => match self.lookup(id).await {
-                        Ok(Some(Verdict::Answer(answer))) => return Claimed::Answer(answer),
-                        Ok(Some(Verdict::InFlight)) => ProblemKind::InFlight,
-                        Ok(None) => ProblemKind::Unconfirmed,
-                        Err(e) => {
-                            return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts));
-                        }
-                    },
-                    Err(e) if DB::error_kind(&e) == StoreErrorKind::LockTimeout => {
-                        ProblemKind::InFlight
-                    }
+            let pending = match self.try_claim(id, deadline, waiting, attempts).await {
+                Ok(Attempt::Won(tx, expires_at)) => return Claimed::Won(tx, expires_at),
+                Ok(Attempt::NoPermit) => break Pending::InFlight,
+                // Lost to a committed row (or, above READ COMMITTED, to a
+                // concurrent claim): a fresh read explains it.
+                Ok(Attempt::Lost) => match self.lookup(id, deadline).await {
+                    Ok(Some(answer)) => return Claimed::Answer(with_attempts(answer, attempts)),
+                    Ok(None) => Pending::Unconfirmed,
                     Err(e) => return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts)),
                 },
+                Ok(Attempt::Blocked) => {
+                    waiting = true;
+                    Pending::InFlight
+                }
                 Err(e) => return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts)),
             };
             if attempts >= cfg.claim_attempts {
@@ -353,69 +376,132 @@ impl<DB: Backend> Run<DB> {
             }
             tokio::time::sleep(delay).await;
         };
-        let detail = if pending == ProblemKind::Unconfirmed {
-            "the Idempotency-Key is taken but its record could not be read; retry with the same key"
-        } else {
-            "a request with this Idempotency-Key is still being processed; retry with the same key later"
-        };
-        let retry_after = cfg.in_flight_wait.as_secs().max(1);
-        Claimed::Answer(refusal(
-            Problem::new(pending, detail).retry_after(retry_after),
-            attempts,
-        ))
+        Claimed::Answer(self.pending(pending, attempts))
     }
 
-    /// One claim attempt: `Ok(Some)` owns the scope (past the savepoint),
-    /// `Ok(None)` lost it to a committed row.
+    /// The `409` for a request that could not settle within its bounds.
+    fn pending(&self, pending: Pending, attempts: u32) -> Answer {
+        let (kind, detail) = match pending {
+            Pending::Unconfirmed => (
+                ProblemKind::Unconfirmed,
+                "the Idempotency-Key is taken but its record could not be read; retry with the same key",
+            ),
+            Pending::InFlight => (
+                ProblemKind::InFlight,
+                "a request with this Idempotency-Key is still being processed; retry with the same key later",
+            ),
+        };
+        let retry_after = self.config.in_flight_wait.as_secs().max(1);
+        refusal(
+            Problem::new(kind, detail).retry_after(retry_after),
+            attempts,
+        )
+    }
+
+    /// One claim attempt, on a connection acquired within the deadline. The
+    /// claim itself runs as its own task, so a response future dropped
+    /// mid-claim can never return a connection to the pool halfway through
+    /// the claim's statements: the task finishes (within its lock wait) and
+    /// rolls back.
     async fn try_claim(
         &self,
         id: &Identity<'_>,
         deadline: Instant,
-    ) -> Result<Option<(Transaction<'static, DB>, i64)>, sqlx::Error> {
+        waiting: bool,
+        attempts: u32,
+    ) -> Result<Attempt<DB>, sqlx::Error> {
         let cfg = &self.config;
-        let wait = cfg
-            .in_flight_wait
-            .min(deadline.saturating_duration_since(Instant::now()))
-            .max(Duration::from_millis(1));
-        let now = now_ms();
-        let claim = Claim {
-            scope: id.scope,
-            fingerprint: id.fingerprint.as_bytes(),
-            created_at: now,
-            expires_at: expires_at(now, cfg.retention),
+        let permit = if waiting {
+            match Arc::clone(&cfg.waiters).try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => return Ok(Attempt::NoPermit),
+            }
+        } else {
+            None
         };
-        Ok(DB::claim(&self.pool, &claim, wait)
-            .await?
-            .map(|tx| (tx, claim.expires_at)))
+        let left = deadline.saturating_duration_since(Instant::now());
+        let conn = match tokio::time::timeout(left, self.pool.acquire()).await {
+            Ok(conn) => conn?,
+            // No connection within the wait budget.
+            Err(_) if waiting => return Ok(Attempt::NoPermit),
+            Err(_) => return Err(sqlx::Error::PoolTimedOut),
+        };
+        // The rest of the budget, shared by the attempts still allowed; a
+        // request not yet known to wait only probes.
+        let left = deadline.saturating_duration_since(Instant::now());
+        let share = left / (cfg.claim_attempts.saturating_sub(attempts) + 1);
+        let lock_wait = if waiting {
+            share
+        } else {
+            share.min(PROBE_WAIT)
+        }
+        .max(Duration::from_millis(1));
+        let owned = OwnedClaim {
+            principal: id.scope.principal.to_owned(),
+            operation: id.scope.operation.to_owned(),
+            key: id.scope.key.to_owned(),
+            fingerprint: *id.fingerprint.as_bytes(),
+            retention_ms: millis(cfg.retention),
+            lock_wait,
+            isolation: cfg.isolation,
+        };
+        let task = tokio::spawn(async move {
+            let _permit = permit;
+            DB::claim(conn, &owned.as_claim()).await
+        });
+        let outcome = match task.await {
+            Ok(outcome) => outcome,
+            // The claim task panicked (a driver bug): its connection is gone.
+            Err(_) => return Err(sqlx::Error::WorkerCrashed),
+        };
+        match outcome {
+            Ok(ClaimOutcome::Won { tx, expires_at }) => Ok(Attempt::Won(tx, expires_at)),
+            Ok(ClaimOutcome::Lost) => Ok(Attempt::Lost),
+            Err(e) => match DB::error_kind(&e) {
+                StoreErrorKind::LockTimeout => Ok(Attempt::Blocked),
+                StoreErrorKind::Conflict => Ok(Attempt::Lost),
+                _ => Err(e),
+            },
+        }
     }
 
-    /// Reads the committed record and decides what it means for `id`.
-    async fn lookup(&self, id: &Identity<'_>) -> Result<Option<Verdict>, sqlx::Error> {
-        let Some(record) = DB::fetch(&self.pool, &id.scope).await? else {
-            return Ok(None);
+    /// Reads the committed record and decides what it means for `id`;
+    /// `None` when there is no committed record.
+    async fn lookup(
+        &self,
+        id: &Identity<'_>,
+        deadline: Instant,
+    ) -> Result<Option<Answer>, sqlx::Error> {
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .max(MIN_READ_WAIT);
+        let record = match tokio::time::timeout(wait, DB::fetch(&self.pool, &id.scope)).await {
+            Ok(record) => record?,
+            Err(_) => return Err(sqlx::Error::PoolTimedOut),
         };
-        Ok(Some(self.judge(&record, id)))
+        Ok(record.map(|record| self.judge(&record, id)))
     }
 
-    /// The decision table for an existing record. Expiry first: a key past
+    /// The decision table for a committed record. Expiry first: a key past
     /// its retention is never executed again, whatever the payload.
-    fn judge(&self, record: &Record, id: &Identity<'_>) -> Verdict {
-        let refuse = |problem: Problem| Verdict::Answer(refusal(problem, 1));
-        if is_expired(record, now_ms()) {
+    fn judge(&self, record: &Record, id: &Identity<'_>) -> Answer {
+        if is_expired(record) {
             let detail = "this Idempotency-Key's retention has ended; the original request is not executed again. Look the resource up, or send a new key for a new operation";
             let link = match (&record.resource_id, &self.config.resource_link) {
                 (Some(id), Some(link)) => Some(link(id)),
                 _ => None,
             };
-            return refuse(
+            return refusal(
                 Problem::new(ProblemKind::Expired, detail)
                     .resource(record.resource_id.clone(), link),
+                1,
             );
         }
         if record.fingerprint != id.fingerprint.as_bytes() {
             let detail = "this Idempotency-Key was already used with a different request; use a new key for a different operation";
-            return refuse(
+            return refusal(
                 Problem::new(ProblemKind::KeyReused, detail).status(self.config.mismatch_status),
+                1,
             );
         }
         match (record.status, record.response_status) {
@@ -427,9 +513,18 @@ impl<DB: Backend> Run<DB> {
                 };
                 let mut res = stored.to_response(self.config.replayed_header);
                 add_expiry(res.headers_mut(), record.expires_at);
-                Verdict::Answer((res, IdempotencyOutcome::Replayed))
+                (res, IdempotencyOutcome::Replayed)
             }
-            _ => Verdict::InFlight,
+            // A committed PROCESSING row: in this mode rows are PROCESSING
+            // only inside their own transaction, so the handler ended that
+            // transaction itself and nobody knows what took effect.
+            _ => {
+                let detail = "the outcome of the first request with this Idempotency-Key is unknown; it is not executed again until it has been reconciled. Retry later with the same key";
+                refusal(
+                    Problem::new(ProblemKind::Reconciling, detail).retry_after(RECONCILING_RETRY),
+                    1,
+                )
+            }
         }
     }
 
@@ -461,11 +556,11 @@ impl<DB: Backend> Run<DB> {
         drop(handle);
         let res = match result {
             Err(panic) => {
-                rollback(tx).await;
+                self.abandon(tx, id, 500).await;
                 resume_unwind(panic);
             }
             Ok(Err(e)) => {
-                rollback(tx).await;
+                self.abandon(tx, id, 500).await;
                 return Err(e);
             }
             Ok(Ok(res)) => res,
@@ -480,13 +575,16 @@ impl<DB: Backend> Run<DB> {
             ));
         };
         let (res_parts, res_body) = res.into_parts();
+        let handler_status = i32::from(res_parts.status.as_u16());
         let body = match Limited::new(res_body, self.config.max_response_body)
             .collect()
             .await
         {
             Ok(collected) => collected.to_bytes(),
             Err(e) => {
-                rollback(Some(tx)).await;
+                if self.abandon(Some(tx), id, handler_status).await {
+                    return Ok(transaction_ended());
+                }
                 let (kind, detail) = if e.downcast_ref::<LengthLimitError>().is_some() {
                     (
                         ProblemKind::ResponseTooLarge,
@@ -511,7 +609,9 @@ impl<DB: Backend> Run<DB> {
             Classification::Success => RecordStatus::Succeeded,
             Classification::FinalFailure => RecordStatus::FailedFinal,
             Classification::Rejected | Classification::Transient => {
-                rollback(Some(tx)).await;
+                if self.abandon(Some(tx), id, handler_status).await {
+                    return Ok(transaction_ended());
+                }
                 return Ok(buffered(Response::from_parts(res_parts, body), outcome));
             }
         };
@@ -525,22 +625,19 @@ impl<DB: Backend> Run<DB> {
             .extensions
             .get::<ResourceId>()
             .map(ResourceId::as_str);
-        let recorded = async {
-            if status == RecordStatus::FailedFinal {
-                DB::rollback_to_savepoint(&mut tx).await?;
+        let completion = Completion {
+            status,
+            response_status: i32::from(stored.status),
+            response_headers: &stored.headers,
+            response_body: &stored.body,
+            resource_id,
+        };
+        if let Err(e) = DB::complete(&mut tx, &id.scope, &completion).await {
+            let _ = tx.rollback().await;
+            if DB::error_kind(&e) == StoreErrorKind::TransactionEnded {
+                self.strand(id, handler_status).await;
+                return Ok(transaction_ended());
             }
-            let completion = Completion {
-                status,
-                response_status: i32::from(stored.status),
-                response_headers: &stored.headers,
-                response_body: &stored.body,
-                resource_id,
-            };
-            DB::complete(&mut tx, &id.scope, &completion).await
-        }
-        .await;
-        if let Err(e) = recorded {
-            rollback(Some(tx)).await;
             return Ok(refuse(store_problem::<DB>(&e), 1));
         }
         let respond = |body: Bytes| {
@@ -553,23 +650,124 @@ impl<DB: Backend> Run<DB> {
         observe::timing("commit_ms", committing.elapsed());
         match committed {
             Ok(()) => respond(stored.body),
-            Err(e) if DB::error_kind(&e) == StoreErrorKind::ConnectionLost => {
-                // The commit may or may not have landed: ask the ledger.
-                match self.lookup(id).await {
-                    Ok(Some(Verdict::Answer((_, IdempotencyOutcome::Replayed)))) => {
-                        respond(stored.body)
-                    }
-                    _ => {
-                        let detail = "the connection was lost while committing and the ledger shows no commit; retry with the same key";
-                        let problem =
-                            Problem::new(ProblemKind::CommitUnknown, detail).retry_after(1);
-                        Ok(refuse(problem, 1))
+            Err(e) => match DB::error_kind(&e) {
+                StoreErrorKind::ConnectionLost => {
+                    // The commit may or may not have landed: ask the ledger.
+                    let deadline = Instant::now() + MIN_READ_WAIT;
+                    match self.lookup(id, deadline).await {
+                        Ok(Some((_, IdempotencyOutcome::Replayed))) => respond(stored.body),
+                        _ => {
+                            let detail = "the connection was lost while committing and the ledger shows no commit; retry with the same key";
+                            let problem =
+                                Problem::new(ProblemKind::CommitUnknown, detail).retry_after(1);
+                            Ok(refuse(problem, 1))
+                        }
                     }
                 }
-            }
-            Err(e) => Ok(refuse(store_problem::<DB>(&e), 1)),
+                StoreErrorKind::Conflict => {
+                    let detail = "the transaction conflicted with a concurrent one and was rolled back; nothing was committed, retry with the same key";
+                    let problem =
+                        Problem::new(ProblemKind::TransactionConflict, detail).retry_after(1);
+                    Ok(refuse(problem, 1))
+                }
+                _ => Ok(refuse(store_problem::<DB>(&e), 1)),
+            },
         }
     }
+
+    /// Rolls the claimed transaction back and waits for it, so the key's row
+    /// lock is released before the answer leaves (a queued rollback could
+    /// leave the next retry waiting). Returns `true` when the handler had
+    /// ended the transaction itself: the key is then marked for
+    /// reconciliation.
+    async fn abandon(
+        &self,
+        tx: Option<Transaction<'static, DB>>,
+        id: &Identity<'_>,
+        handler_status: i32,
+    ) -> bool {
+        let Some(mut tx) = tx else { return false };
+        let ended = DB::check_savepoint(&mut tx)
+            .await
+            .is_err_and(|e| DB::error_kind(&e) == StoreErrorKind::TransactionEnded);
+        // A failed rollback means a lost connection: the server aborts the
+        // transaction itself.
+        let _ = tx.rollback().await;
+        if ended {
+            self.strand(id, handler_status).await;
+        }
+        ended
+    }
+
+    /// The handler ended the claimed transaction itself: whatever it
+    /// committed stays, with the `PROCESSING` row. Mark the key so that it
+    /// answers "outcome unknown" (it would anyway, from the committed
+    /// `PROCESSING` row, if marking fails) until an operator resolves it.
+    async fn strand(&self, id: &Identity<'_>, handler_status: i32) {
+        let marked = DB::mark_unresolved(&self.pool, &id.scope, handler_status).await;
+        tracing::error!(
+            handler_status,
+            marked = marked.is_ok(),
+            "the handler ended the claimed transaction itself (COMMIT, ROLLBACK or DDL); \
+             what it committed is kept and the key needs reconciliation"
+        );
+    }
+}
+
+/// What one claim attempt found.
+enum Attempt<DB: Backend> {
+    Won(Transaction<'static, DB>, i64),
+    /// A committed row holds the scope.
+    Lost,
+    /// Another claimer's uncommitted row held the scope past the lock wait.
+    Blocked,
+    /// No waiter permit (or no connection) left for a request that waits.
+    NoPermit,
+}
+
+/// The claim's values, owned by the task that runs the claim.
+struct OwnedClaim {
+    principal: String,
+    operation: String,
+    key: String,
+    fingerprint: [u8; 32],
+    retention_ms: i64,
+    lock_wait: Duration,
+    isolation: IsolationLevel,
+}
+
+impl OwnedClaim {
+    fn as_claim(&self) -> Claim<'_> {
+        Claim {
+            scope: Scope {
+                principal: &self.principal,
+                operation: &self.operation,
+                key: &self.key,
+            },
+            fingerprint: &self.fingerprint,
+            retention_ms: self.retention_ms,
+            lock_wait: self.lock_wait,
+            isolation: self.isolation,
+        }
+    }
+}
+
+/// How soon a retry of a key awaiting reconciliation is worth it, seconds.
+const RECONCILING_RETRY: u64 = 30;
+
+fn transaction_ended<B>() -> Response<IdempotencyBody<B>> {
+    let detail = "the handler ended the idempotency transaction itself; what it committed is kept, and this key is held for reconciliation";
+    refuse(Problem::new(ProblemKind::TransactionEnded, detail), 1)
+}
+
+fn with_attempts((res, outcome): Answer, attempts: u32) -> Answer {
+    let outcome = match outcome {
+        IdempotencyOutcome::Refused { problem, .. } => {
+            IdempotencyOutcome::Refused { problem, attempts }
+        }
+        other => other,
+    };
+    (res, outcome)
 }
 
 /// Tells the client until when its key is honoured.
@@ -584,23 +782,21 @@ fn add_expiry(headers: &mut HeaderMap, expires_at: i64) {
 
 /// A store error before anything was committed: nothing took effect, retry.
 fn store_problem<DB: Backend>(e: &sqlx::Error) -> Problem {
-    let detail = match DB::error_kind(e) {
-        StoreErrorKind::ConnectionLost => {
-            "the idempotency store could not be reached; nothing was recorded, retry with the same key"
-        }
-        _ => "the idempotency store failed; nothing was recorded, retry with the same key",
+    let (kind, detail) = match DB::error_kind(e) {
+        StoreErrorKind::Busy => (
+            ProblemKind::StoreBusy,
+            "the idempotency store is busy; nothing was recorded, retry with the same key",
+        ),
+        StoreErrorKind::ConnectionLost => (
+            ProblemKind::StoreUnavailable,
+            "the idempotency store could not be reached; nothing was recorded, retry with the same key",
+        ),
+        _ => (
+            ProblemKind::StoreUnavailable,
+            "the idempotency store failed; nothing was recorded, retry with the same key",
+        ),
     };
-    Problem::new(ProblemKind::StoreUnavailable, detail).retry_after(1)
-}
-
-/// Rolls back and waits for it, so the key's row lock is released before the
-/// answer leaves (a queued rollback could leave the next retry waiting).
-async fn rollback<DB: Backend>(tx: Option<Transaction<'static, DB>>) {
-    if let Some(tx) = tx {
-        // A failed rollback means a lost connection: the server aborts the
-        // transaction itself.
-        let _ = tx.rollback().await;
-    }
+    Problem::new(kind, detail).retry_after(1)
 }
 
 /// Buffers the request body up to `limit` bytes; a declared or actual larger

@@ -9,20 +9,50 @@
 //!
 //! | backend | claim | waiting on an in-flight duplicate |
 //! |---|---|---|
-//! | PostgreSQL | `INSERT … ON CONFLICT DO NOTHING` in a `READ COMMITTED` transaction | the insert blocks on the first claimer's uncommitted row, bounded by `SET LOCAL lock_timeout` |
-//! | SQLite | `INSERT … ON CONFLICT DO NOTHING` in a `BEGIN IMMEDIATE` transaction | writers are serialized; the wait is the connection's `busy_timeout` (`SqliteConnectOptions::busy_timeout`, 5 s by default) |
-//! | MySQL/MariaDB | a plain `INSERT`, a duplicate key reported by the driver's unique-violation signal, in a `READ COMMITTED` transaction | the insert blocks on the uncommitted row, bounded by `innodb_lock_wait_timeout` (whole seconds, set for the claim, then put back) |
+//! | PostgreSQL | `INSERT … ON CONFLICT DO NOTHING` | the insert blocks on the first claimer's uncommitted row, bounded by `SET LOCAL lock_timeout`; the session's own `lock_timeout` is put back before the handler runs |
+//! | SQLite | `INSERT … ON CONFLICT DO NOTHING` in a `BEGIN IMMEDIATE` transaction | writers are serialized; the wait is the connection's `busy_timeout` (`SqliteConnectOptions::busy_timeout`, 5 s by default), and a busy database answers `503` |
+//! | MySQL/MariaDB | a plain `INSERT`, a duplicate key reported by the driver's unique-violation signal | the insert blocks on the uncommitted row, bounded by `innodb_lock_wait_timeout` set **for that one statement** (`SET STATEMENT … FOR` on MariaDB, the `SET_VAR` hint on MySQL 8), so no session setting ever changes |
 //!
-//! Migrations: [`migrate`] creates the table and its index with idempotent
-//! DDL (`CREATE … IF NOT EXISTS`), so it is safe on every start and never
-//! touches `_sqlx_migrations`, the table your own `sqlx::migrate!` uses. The
-//! SQL lives in `migrations/<backend>/` in this crate.
+//! # Isolation
+//!
+//! The claimed transaction runs at the [`IsolationLevel`] the layer is
+//! configured with (`READ COMMITTED` by default), set for that transaction
+//! only (`BEGIN ISOLATION LEVEL …` / `SET TRANSACTION …`), never for the
+//! session. SQLite transactions are always serializable.
+//!
+//! # Byte-for-byte scopes
+//!
+//! Scope columns compare byte for byte on every store: `TEXT` with the
+//! database's deterministic collation on PostgreSQL, `TEXT` (`BINARY`
+//! collation) on SQLite, `VARBINARY` on MySQL/MariaDB (whose `_bin`
+//! collations are `PAD SPACE`, so `'alice'` would equal `'alice '`). No
+//! trailing space, case or Unicode normalization ever makes two scopes one.
+//!
+//! # One clock
+//!
+//! `created_at`, `expires_at`, the `410` decision and the sweeper all use
+//! the **database's** clock (epoch milliseconds computed in SQL), so
+//! application instances with skewed clocks agree on when a key expires.
+//!
+//! # Migrations
+//!
+//! [`migrate`] applies the crate's versioned migrations (in
+//! `migrations/<backend>/`) that are missing, in order, and records each in
+//! its own table `tower_idempotency_migrations` (never `_sqlx_migrations`,
+//! the table your own `sqlx::migrate!` uses). It holds a lock while it works
+//! (PostgreSQL `pg_advisory_xact_lock`, MySQL `GET_LOCK`, SQLite's write
+//! lock), so any number of instances may call it at start-up at once. A
+//! database created by an earlier version of this crate (the table without
+//! the migrations table) is upgraded in place.
 
 use std::future::Future;
 use std::time::Duration;
 
+use sqlx::pool::PoolConnection;
 use sqlx::{Database, Pool, Transaction};
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod literal;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
@@ -42,6 +72,38 @@ pub struct Scope<'a> {
     pub key: &'a str,
 }
 
+/// The isolation level of the claimed transaction the handler writes on.
+///
+/// The level applies to that transaction only; the session's own default
+/// is never changed. Under `RepeatableRead` and `Serializable` a claim that
+/// conflicts with a concurrent one may fail with a serialization error
+/// instead of waiting: the layer treats that as a lost claim and reads the
+/// winner's record. A serialization failure or deadlock at `COMMIT` rolls
+/// everything back and is answered `503` with `Retry-After`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum IsolationLevel {
+    /// `READ COMMITTED`: the default. On SQLite, serializable.
+    #[default]
+    ReadCommitted,
+    /// `REPEATABLE READ`. On SQLite, serializable.
+    RepeatableRead,
+    /// `SERIALIZABLE`: for handlers that check, then write (a balance
+    /// before a debit).
+    Serializable,
+}
+
+impl IsolationLevel {
+    /// The SQL name of the level.
+    pub fn as_sql(self) -> &'static str {
+        match self {
+            Self::ReadCommitted => "READ COMMITTED",
+            Self::RepeatableRead => "REPEATABLE READ",
+            Self::Serializable => "SERIALIZABLE",
+        }
+    }
+}
+
 /// A new `PROCESSING` row to claim a scope.
 #[derive(Debug, Clone, Copy)]
 pub struct Claim<'a> {
@@ -49,17 +111,22 @@ pub struct Claim<'a> {
     pub scope: Scope<'a>,
     /// The request fingerprint (32 bytes of SHA-256).
     pub fingerprint: &'a [u8],
-    /// Creation time, Unix epoch milliseconds.
-    pub created_at: i64,
-    /// End of retention, Unix epoch milliseconds.
-    pub expires_at: i64,
+    /// How long the key is honoured, in milliseconds from the claim,
+    /// measured on the database's clock.
+    pub retention_ms: i64,
+    /// The longest wait for another claimer's uncommitted row.
+    pub lock_wait: Duration,
+    /// The isolation level of the claimed transaction.
+    pub isolation: IsolationLevel,
 }
 
 /// The state of a ledger row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecordStatus {
-    /// Claimed; the first request is running (in this crate's short mode the
-    /// row is only ever seen in this state inside its own transaction).
+    /// Claimed; the first request is running. In the layer's transaction
+    /// mode the row is only ever `PROCESSING` inside its own transaction: a
+    /// committed `PROCESSING` row means the handler ended that transaction
+    /// itself, and the key answers "outcome unknown".
     Processing,
     /// The operation succeeded; the response is stored.
     Succeeded,
@@ -67,6 +134,10 @@ pub enum RecordStatus {
     FailedFinal,
     /// Retention ended; the response was dropped, the key stays refused.
     Expired,
+    /// The outcome is not known (the handler ended the claimed transaction
+    /// itself); never executed again until an operator resolves it (see
+    /// [`Reconciler`](crate::Reconciler)).
+    NeedsReconciliation,
 }
 
 impl RecordStatus {
@@ -77,6 +148,7 @@ impl RecordStatus {
             Self::Succeeded => "SUCCEEDED",
             Self::FailedFinal => "FAILED_FINAL",
             Self::Expired => "EXPIRED",
+            Self::NeedsReconciliation => "NEEDS_RECONCILIATION",
         }
     }
 
@@ -87,6 +159,7 @@ impl RecordStatus {
             "SUCCEEDED" => Self::Succeeded,
             "FAILED_FINAL" => Self::FailedFinal,
             "EXPIRED" => Self::Expired,
+            "NEEDS_RECONCILIATION" => Self::NeedsReconciliation,
             _ => return None,
         })
     }
@@ -112,8 +185,10 @@ pub struct Record {
     pub response_body: Option<Vec<u8>>,
     /// The id of the resource the request created, when the handler named it.
     pub resource_id: Option<String>,
-    /// End of retention, Unix epoch milliseconds.
+    /// End of retention, Unix epoch milliseconds (database clock).
     pub expires_at: i64,
+    /// Whether `expires_at` had passed on the database's clock when read.
+    pub past_expiry: bool,
 }
 
 /// The terminal state written on the claimed row before commit.
@@ -131,15 +206,56 @@ pub struct Completion<'a> {
     pub resource_id: Option<&'a str>,
 }
 
+/// A committed record whose outcome is unknown, as listed for operators.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnresolvedRecord {
+    /// The stored principal (hashed when it was long, see the scope docs).
+    pub principal: String,
+    /// The stored operation.
+    pub operation: String,
+    /// The stored key (hashed with `with_hashed_keys`).
+    pub key: String,
+    /// `PROCESSING` (stranded) or `NEEDS_RECONCILIATION`.
+    pub status: RecordStatus,
+    /// The status the handler answered, when known.
+    pub response_status: Option<i32>,
+    /// When the key was claimed, epoch milliseconds (database clock).
+    pub created_at: i64,
+}
+
 /// How a store error bears on the protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StoreErrorKind {
-    /// A lock wait ran out: another transaction holds the scope's row.
+    /// A lock wait on the claimed row ran out: another transaction holds the scope.
     LockTimeout,
+    /// The store is busy (SQLite's write lock, a pool with no free
+    /// connection): nothing happened, retry later.
+    Busy,
+    /// A serialization failure or deadlock: the transaction was rolled back.
+    Conflict,
+    /// The claimed transaction is gone (the handler committed or rolled it
+    /// back itself, or ran DDL that commits implicitly).
+    TransactionEnded,
     /// The connection was lost or could not be had: an outcome may be unknown.
     ConnectionLost,
     /// Any other error.
     Other,
+}
+
+/// What a claim attempt found.
+#[derive(Debug)]
+pub enum ClaimOutcome<DB: Database> {
+    /// This transaction owns the scope, past the savepoint; the key is
+    /// honoured until `expires_at` (epoch milliseconds, database clock).
+    Won {
+        /// The claimed transaction.
+        tx: Transaction<'static, DB>,
+        /// End of retention.
+        expires_at: i64,
+    },
+    /// A committed row already holds the scope; nothing is left open.
+    Lost,
 }
 
 /// A database that can hold the ledger. Implemented for `sqlx::Postgres`,
@@ -147,35 +263,39 @@ pub enum StoreErrorKind {
 ///
 /// Every method is short (a few statements at most, no unbounded waits) and
 /// must keep its guarantee under concurrency: [`claim`](Backend::claim) is
-/// decided by the unique constraint alone. The `testkit` feature's
-/// conformance suite checks an implementation against the whole contract.
+/// decided by the unique constraint alone. No method may leave a changed
+/// session setting on a connection. The `testkit` feature's conformance
+/// suite checks an implementation against the whole contract.
 pub trait Backend: Database {
-    /// Creates the ledger table and index if missing. Safe to re-run.
+    /// Applies the missing versioned migrations, under a lock. Safe to
+    /// re-run and to run from several instances at once.
     fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-    /// Claims a scope: begins the transaction that is handed to the
-    /// handler, inserts the `PROCESSING` row, and takes the savepoint that
-    /// final business errors roll back to. `Ok(Some)`: this transaction owns
-    /// the scope. `Ok(None)`: a committed row already holds it (nothing is
-    /// left open). Waits for another claimer's uncommitted row at most about
-    /// `lock_wait`, then fails with an error of kind
-    /// [`StoreErrorKind::LockTimeout`].
+    /// Claims a scope on `conn`: begins the transaction that is handed to
+    /// the handler, inserts the `PROCESSING` row, and takes the savepoint
+    /// that final business errors roll back to. Waits for another claimer's
+    /// uncommitted row at most about `claim.lock_wait`, then fails with an
+    /// error of kind [`StoreErrorKind::LockTimeout`].
     fn claim(
-        pool: &Pool<Self>,
+        conn: PoolConnection<Self>,
         claim: &Claim<'_>,
-        lock_wait: Duration,
-    ) -> impl Future<Output = Result<Option<Transaction<'static, Self>>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<ClaimOutcome<Self>, sqlx::Error>> + Send;
 
-    /// Rolls back to the savepoint taken by [`claim`](Backend::claim).
-    fn rollback_to_savepoint(
-        conn: &mut Self::Connection,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
-
-    /// Writes the terminal state on the claimed row.
+    /// Writes the terminal state on the claimed row (for `FailedFinal`,
+    /// after rolling back to the claim's savepoint), checking that the
+    /// claimed transaction is still open: an error of kind
+    /// [`StoreErrorKind::TransactionEnded`] when the savepoint is gone.
     fn complete(
         conn: &mut Self::Connection,
         scope: &Scope<'_>,
         completion: &Completion<'_>,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Rolls back to the claim's savepoint before the transaction is
+    /// abandoned: an error of kind [`StoreErrorKind::TransactionEnded`]
+    /// when the savepoint is gone.
+    fn check_savepoint(
+        conn: &mut Self::Connection,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Reads the committed row of a scope, outside any claim transaction.
@@ -184,21 +304,51 @@ pub trait Backend: Database {
         scope: &Scope<'_>,
     ) -> impl Future<Output = Result<Option<Record>, sqlx::Error>> + Send;
 
-    /// Turns at most `limit` terminal rows (`SUCCEEDED`, `FAILED_FINAL`) with
-    /// `expires_at <= now` into `EXPIRED` tombstones: response headers and
+    /// Marks a committed `PROCESSING` row of `scope` as
+    /// `NEEDS_RECONCILIATION`, noting the handler's status. Returns the rows
+    /// changed.
+    fn mark_unresolved(
+        pool: &Pool<Self>,
+        scope: &Scope<'_>,
+        response_status: i32,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Lists at most `limit` committed rows that are `PROCESSING` or
+    /// `NEEDS_RECONCILIATION`, oldest first.
+    fn list_unresolved(
+        pool: &Pool<Self>,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<UnresolvedRecord>, sqlx::Error>> + Send;
+
+    /// Resolves an unresolved row: `Some(completion)` records that answer,
+    /// `None` deletes the row so the key runs again. Only rows still
+    /// `PROCESSING` or `NEEDS_RECONCILIATION` are touched; returns the rows
+    /// changed.
+    fn resolve(
+        pool: &Pool<Self>,
+        scope: &Scope<'_>,
+        completion: Option<&Completion<'_>>,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Turns at most `limit` terminal rows (`SUCCEEDED`, `FAILED_FINAL`) whose
+    /// `expires_at` is at or before `now` (epoch milliseconds; `None`: the
+    /// database's clock) into `EXPIRED` tombstones: response headers and
     /// body dropped, scope, fingerprint and resource id kept. Never touches
-    /// `PROCESSING` rows. One short statement; returns the rows changed.
+    /// `PROCESSING` or `NEEDS_RECONCILIATION` rows. One short statement;
+    /// returns the rows changed.
     fn expire_batch(
         pool: &Pool<Self>,
-        now: i64,
+        now: Option<i64>,
         limit: i64,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
-    /// Deletes at most `limit` tombstones with `expires_at <= before`. One
-    /// short statement; returns the rows deleted.
+    /// Deletes at most `limit` tombstones whose `expires_at` is at least
+    /// `keep_ms` before `now` (`None`: the database's clock). One short
+    /// statement; returns the rows deleted.
     fn purge_batch(
         pool: &Pool<Self>,
-        before: i64,
+        now: Option<i64>,
+        keep_ms: i64,
         limit: i64,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
@@ -206,18 +356,30 @@ pub trait Backend: Database {
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind;
 }
 
-/// Creates the ledger table on `pool` if it does not exist. Safe to call on
-/// every start; independent of your application's `sqlx::migrate!` history.
+/// Applies the crate's missing ledger migrations on `pool`, in order and
+/// under a lock (see the [module docs](self)). Safe to call on every start
+/// of every instance; independent of your application's `sqlx::migrate!`
+/// history.
 pub async fn migrate<DB: Backend>(pool: &Pool<DB>) -> Result<(), sqlx::Error> {
     DB::migrate(pool).await
 }
 
+/// One versioned schema change.
+pub(crate) struct Migration {
+    pub(crate) version: i64,
+    pub(crate) name: &'static str,
+    pub(crate) sql: &'static str,
+}
+
+/// The savepoint taken right after the claim.
+pub(crate) const SAVEPOINT: &str = "tower_idempotency_claimed";
+
 /// Errors every driver reports the same way: lost or unavailable connections.
 fn generic_error_kind(err: &sqlx::Error) -> Option<StoreErrorKind> {
     match err {
+        sqlx::Error::PoolTimedOut => Some(StoreErrorKind::Busy),
         sqlx::Error::Io(_)
         | sqlx::Error::Protocol(_)
-        | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::Tls(_) => Some(StoreErrorKind::ConnectionLost),
@@ -233,6 +395,7 @@ type RecordRow = (
     Option<Vec<u8>>,
     Option<String>,
     i64,
+    i64,
 );
 
 fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
@@ -244,27 +407,49 @@ fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
         response_body,
         resource_id,
         expires_at,
+        past_expiry,
     ) = row;
-    let status = RecordStatus::parse(&status)
-        .ok_or_else(|| sqlx::Error::Decode(format!("unknown ledger status {status:?}").into()))?;
     Ok(Record {
-        status,
+        status: parse_status(&status)?,
         fingerprint,
         response_status,
         response_headers,
         response_body,
         resource_id,
         expires_at,
+        past_expiry: past_expiry != 0,
     })
 }
 
-/// Stamps out the statements every backend shares, given its SQL text.
+fn parse_status(status: &str) -> Result<RecordStatus, sqlx::Error> {
+    RecordStatus::parse(status)
+        .ok_or_else(|| sqlx::Error::Decode(format!("unknown ledger status {status:?}").into()))
+}
+
+type UnresolvedRow = (String, String, String, String, Option<i32>, i64);
+
+fn unresolved_from_row(row: UnresolvedRow) -> Result<UnresolvedRecord, sqlx::Error> {
+    let (principal, operation, key, status, response_status, created_at) = row;
+    Ok(UnresolvedRecord {
+        principal,
+        operation,
+        key,
+        status: parse_status(&status)?,
+        response_status,
+        created_at,
+    })
+}
+
+/// Stamps out the statements every backend runs with bound parameters,
+/// given its SQL text. `$now` is the backend's SQL expression for the
+/// database clock in epoch milliseconds.
 macro_rules! shared_statements {
-    ($db:ty, complete = $complete:expr, fetch = $fetch:expr,
+    ($db:ty, fetch = $fetch:expr, mark = $mark:expr, list = $list:expr,
+     resolve = $resolve:expr, delete = $delete:expr,
      expire = $expire:expr, purge = $purge:expr $(,)?) => {
         async fn expire_batch(
             pool: &sqlx::Pool<$db>,
-            now: i64,
+            now: Option<i64>,
             limit: i64,
         ) -> Result<u64, sqlx::Error> {
             let done = sqlx::query($expire)
@@ -277,47 +462,17 @@ macro_rules! shared_statements {
 
         async fn purge_batch(
             pool: &sqlx::Pool<$db>,
-            before: i64,
+            now: Option<i64>,
+            keep_ms: i64,
             limit: i64,
         ) -> Result<u64, sqlx::Error> {
             let done = sqlx::query($purge)
-                .bind(before)
+                .bind(now)
+                .bind(keep_ms)
                 .bind(limit)
                 .execute(pool)
                 .await?;
             Ok(done.rows_affected())
-        }
-
-        async fn rollback_to_savepoint(
-            conn: &mut <$db as sqlx::Database>::Connection,
-        ) -> Result<(), sqlx::Error> {
-            sqlx::raw_sql("ROLLBACK TO SAVEPOINT tower_idempotency_claimed")
-                .execute(&mut *conn)
-                .await
-                .map(drop)
-        }
-
-        async fn complete(
-            conn: &mut <$db as sqlx::Database>::Connection,
-            scope: &$crate::store::Scope<'_>,
-            c: &$crate::store::Completion<'_>,
-        ) -> Result<(), sqlx::Error> {
-            let done = sqlx::query($complete)
-                .bind(c.status.as_str())
-                .bind(c.response_status)
-                .bind(c.response_headers)
-                .bind(c.response_body)
-                .bind(c.resource_id)
-                .bind(scope.principal)
-                .bind(scope.operation)
-                .bind(scope.key)
-                .execute(&mut *conn)
-                .await?;
-            if done.rows_affected() == 1 {
-                Ok(())
-            } else {
-                Err(sqlx::Error::RowNotFound)
-            }
         }
 
         async fn fetch(
@@ -333,55 +488,92 @@ macro_rules! shared_statements {
                 .map($crate::store::record_from_row)
                 .transpose()
         }
+
+        async fn mark_unresolved(
+            pool: &sqlx::Pool<$db>,
+            scope: &$crate::store::Scope<'_>,
+            response_status: i32,
+        ) -> Result<u64, sqlx::Error> {
+            let done = sqlx::query($mark)
+                .bind(response_status)
+                .bind(scope.principal)
+                .bind(scope.operation)
+                .bind(scope.key)
+                .execute(pool)
+                .await?;
+            Ok(done.rows_affected())
+        }
+
+        async fn list_unresolved(
+            pool: &sqlx::Pool<$db>,
+            limit: i64,
+        ) -> Result<Vec<$crate::store::UnresolvedRecord>, sqlx::Error> {
+            sqlx::query_as::<_, $crate::store::UnresolvedRow>($list)
+                .bind(limit)
+                .fetch_all(pool)
+                .await?
+                .into_iter()
+                .map($crate::store::unresolved_from_row)
+                .collect()
+        }
+
+        async fn resolve(
+            pool: &sqlx::Pool<$db>,
+            scope: &$crate::store::Scope<'_>,
+            completion: Option<&$crate::store::Completion<'_>>,
+        ) -> Result<u64, sqlx::Error> {
+            let done = match completion {
+                Some(c) => {
+                    sqlx::query($resolve)
+                        .bind(c.status.as_str())
+                        .bind(c.response_status)
+                        .bind(c.response_headers)
+                        .bind(c.response_body)
+                        .bind(c.resource_id)
+                        .bind(scope.principal)
+                        .bind(scope.operation)
+                        .bind(scope.key)
+                        .execute(pool)
+                        .await?
+                }
+                None => {
+                    sqlx::query($delete)
+                        .bind(scope.principal)
+                        .bind(scope.operation)
+                        .bind(scope.key)
+                        .execute(pool)
+                        .await?
+                }
+            };
+            Ok(done.rows_affected())
+        }
     };
 }
 use shared_statements;
 
-/// Stamps out [`Backend::claim`] as three statements with bound parameters:
-/// `begin`, the claim `insert` (a duplicate key is the driver's
-/// unique-violation error, or zero rows), then the `savepoint` statement(s).
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
-macro_rules! claim_by_statements {
-    ($db:ty, begin = |$pool:ident, $wait:ident| $begin:expr, insert = $insert:expr,
-     savepoint = $savepoint:expr $(,)?) => {
-        async fn claim(
-            $pool: &sqlx::Pool<$db>,
-            claim: &$crate::store::Claim<'_>,
-            $wait: std::time::Duration,
-        ) -> Result<Option<sqlx::Transaction<'static, $db>>, sqlx::Error> {
-            let mut tx = $begin.await?;
-            let inserted = sqlx::query($insert)
-                .bind(claim.scope.principal)
-                .bind(claim.scope.operation)
-                .bind(claim.scope.key)
-                .bind(claim.fingerprint)
-                .bind(claim.created_at)
-                .bind(claim.expires_at)
-                .execute(&mut *tx)
-                .await;
-            let won = match inserted {
-                Ok(done) => done.rows_affected() == 1,
-                // The driver's own signal, never a parsed message.
-                Err(e)
-                    if e.as_database_error()
-                        .is_some_and(|d| d.is_unique_violation()) =>
-                {
-                    false
-                }
-                Err(e) => {
-                    // Some drivers refuse further statements after an error.
-                    let _ = tx.rollback().await;
-                    return Err(e);
-                }
-            };
-            if !won {
-                tx.rollback().await?;
-                return Ok(None);
+/// Stamps out the versioned migration runner for a backend: `$lock` runs on
+/// `$conn` before anything else (and holds the backend's migration lock),
+/// `$record` records one applied version (`$1` version, `$2` name).
+macro_rules! run_migrations {
+    ($conn:expr, $migrations:expr, create = $create:expr, record = $record:expr $(,)?) => {{
+        let conn = $conn;
+        sqlx::raw_sql($create).execute(&mut *conn).await?;
+        let applied: Vec<i64> =
+            sqlx::query_scalar("SELECT version FROM tower_idempotency_migrations ORDER BY version")
+                .fetch_all(&mut *conn)
+                .await?;
+        for m in $migrations {
+            if applied.contains(&m.version) {
+                continue;
             }
-            sqlx::raw_sql($savepoint).execute(&mut *tx).await?;
-            Ok(Some(tx))
+            sqlx::raw_sql(m.sql).execute(&mut *conn).await?;
+            sqlx::query($record)
+                .bind(m.version)
+                .bind(m.name)
+                .execute(&mut *conn)
+                .await?;
         }
-    };
+        Ok::<(), sqlx::Error>(())
+    }};
 }
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
-use claim_by_statements;
+use run_migrations;

@@ -1,58 +1,219 @@
 //! MySQL and MariaDB (InnoDB).
 
 use sqlx::mysql::{MySql, MySqlDatabaseError};
-use sqlx::{AssertSqlSafe, Pool};
+use sqlx::pool::{MaybePoolConnection, PoolConnection};
+use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 
-use super::{Backend, StoreErrorKind, claim_by_statements, generic_error_kind, shared_statements};
+use super::literal::hex;
+use super::{
+    Backend, Claim, ClaimOutcome, Completion, Migration, RecordStatus, SAVEPOINT, Scope,
+    StoreErrorKind, generic_error_kind, run_migrations, shared_statements,
+};
+
+/// The database clock, epoch milliseconds, in UTC arithmetic only (no
+/// session time zone conversion).
+macro_rules! now_ms {
+    () => {
+        "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)"
+    };
+}
+
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "idempotency_records",
+        sql: include_str!("../../migrations/mysql/0001_idempotency_records.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "byte_scopes_and_reconciliation",
+        sql: include_str!("../../migrations/mysql/0002_byte_scopes_and_reconciliation.sql"),
+    },
+];
 
 impl Backend for MySql {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(include_str!(
-            "../../migrations/mysql/0001_idempotency_records.sql"
-        ))
-        .execute(pool)
-        .await
-        .map(drop)
+        // MySQL's DDL commits implicitly, so the lock is a named session
+        // lock; the connection is closed afterwards (never pooled holding
+        // it, whatever happens).
+        let mut conn = pool.acquire().await?;
+        conn.close_on_drop();
+        let got: Option<i64> =
+            sqlx::query_scalar("SELECT GET_LOCK('tower_idempotency_migrate', 60)")
+                .fetch_one(&mut *conn)
+                .await?;
+        if got != Some(1) {
+            return Err(sqlx::Error::Protocol(
+                "timed out after 60 s waiting for the tower_idempotency_migrate lock".into(),
+            ));
+        }
+        run_migrations!(
+            &mut *conn,
+            MIGRATIONS,
+            create = "CREATE TABLE IF NOT EXISTS tower_idempotency_migrations \
+                      (version BIGINT PRIMARY KEY, name VARCHAR(255) NOT NULL, \
+                      applied_at BIGINT NOT NULL) ENGINE = InnoDB",
+            record = concat!(
+                "INSERT INTO tower_idempotency_migrations (version, name, applied_at) VALUES (?, ?, ",
+                now_ms!(),
+                ")"
+            ),
+        )?;
+        sqlx::query("SELECT RELEASE_LOCK('tower_idempotency_migrate')")
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
     }
 
-    // InnoDB counts lock waits in whole seconds (at least 1), per session; the
-    // savepoint step puts the server's setting back. READ COMMITTED lets
-    // the read after a lost claim see the winner's row. A plain insert: a
-    // duplicate key is the driver's unique-violation error (which ends the
-    // statement, not the transaction). Not `ON DUPLICATE KEY UPDATE`, whose
-    // affected-row count is 1 for a no-op update when the client asks for
-    // found rows, as sqlx does; not `INSERT IGNORE`, which also swallows
-    // unrelated errors.
-    claim_by_statements!(
-        MySql,
-        begin = |pool, lock_wait| {
-            let secs = lock_wait.as_secs_f64().ceil().clamp(1.0, 3600.0) as u64;
-            pool.begin_with(AssertSqlSafe(format!(
-                "SET SESSION innodb_lock_wait_timeout = {secs}; \
-                 SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
-            )))
-        },
-        insert = "INSERT INTO idempotency_records \
-                  (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
-                  VALUES (?, ?, ?, ?, 'PROCESSING', ?, ?)",
-        // The handler's own lock waits go back to the server's setting.
-        savepoint = "SAVEPOINT tower_idempotency_claimed; \
-                     SET SESSION innodb_lock_wait_timeout = DEFAULT",
-    );
+    async fn claim(
+        conn: PoolConnection<Self>,
+        claim: &Claim<'_>,
+    ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
+        // `SET TRANSACTION` (without SESSION) applies to the next
+        // transaction only.
+        let begin = format!(
+            "SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION",
+            claim.isolation.as_sql()
+        );
+        let mut tx = Transaction::begin(
+            MaybePoolConnection::PoolConnection(conn),
+            Some(AssertSqlSafe(begin).into_sql_str()),
+        )
+        .await?;
+        // InnoDB counts lock waits in whole seconds. The bound applies to
+        // the insert alone (MariaDB's `SET STATEMENT … FOR`, MySQL 8's
+        // `SET_VAR` hint; each server ignores the other's form), so no
+        // session setting changes. A plain insert: a duplicate key is the
+        // driver's unique-violation error, which ends the statement and the
+        // rest of the message, not the transaction. Not `ON DUPLICATE KEY
+        // UPDATE`, whose affected-row count is 1 for a no-op update when the
+        // client asks for found rows, as sqlx does; not `INSERT IGNORE`,
+        // which also swallows unrelated errors. Values are hex literals.
+        // Rounded to the nearest second; MariaDB takes 0 (fail at once,
+        // for the first attempt's short probe), MySQL at least 1.
+        let secs = claim.lock_wait.as_secs_f64().round().clamp(0.0, 3600.0) as u64;
+        let mysql_secs = secs.max(1);
+        let scope = format!(
+            "principal_id = X'{}' AND operation = X'{}' AND idem_key = X'{}'",
+            hex(claim.scope.principal.as_bytes()),
+            hex(claim.scope.operation.as_bytes()),
+            hex(claim.scope.key.as_bytes()),
+        );
+        let sql = format!(
+            "/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ \
+             INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ INTO idempotency_records \
+             (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
+             VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); \
+             SAVEPOINT {SAVEPOINT}; \
+             SELECT expires_at FROM idempotency_records WHERE {scope}",
+            hex(claim.scope.principal.as_bytes()),
+            hex(claim.scope.operation.as_bytes()),
+            hex(claim.scope.key.as_bytes()),
+            hex(claim.fingerprint),
+            claim.retention_ms,
+            now = now_ms!(),
+        );
+        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
+            Ok(rows) => {
+                let row = rows.first().ok_or(sqlx::Error::RowNotFound)?;
+                let expires_at = row.try_get(0)?;
+                Ok(ClaimOutcome::Won { tx, expires_at })
+            }
+            // The driver's own signal, never a parsed message.
+            Err(e)
+                if e.as_database_error()
+                    .is_some_and(|d| d.is_unique_violation()) =>
+            {
+                tx.rollback().await?;
+                Ok(ClaimOutcome::Lost)
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn complete(
+        conn: &mut sqlx::MySqlConnection,
+        scope: &Scope<'_>,
+        c: &Completion<'_>,
+    ) -> Result<(), sqlx::Error> {
+        // One round trip: (undo the business writes,) prove the claimed
+        // transaction is still ours by releasing its savepoint, record.
+        let undo = if c.status == RecordStatus::FailedFinal {
+            format!("ROLLBACK TO SAVEPOINT {SAVEPOINT}; ")
+        } else {
+            String::new()
+        };
+        let resource = c.resource_id.map_or_else(
+            || "NULL".to_string(),
+            |id| format!("CONVERT(X'{}' USING utf8mb4)", hex(id.as_bytes())),
+        );
+        let sql = format!(
+            "{undo}RELEASE SAVEPOINT {SAVEPOINT}; \
+             UPDATE idempotency_records SET status = '{}', response_status = {}, \
+             response_headers = X'{}', response_body = X'{}', resource_id = {resource} \
+             WHERE principal_id = X'{}' AND operation = X'{}' AND idem_key = X'{}'",
+            c.status.as_str(),
+            c.response_status,
+            hex(c.response_headers),
+            hex(c.response_body),
+            hex(scope.principal.as_bytes()),
+            hex(scope.operation.as_bytes()),
+            hex(scope.key.as_bytes()),
+        );
+        let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(conn).await?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(sqlx::Error::RowNotFound)
+        }
+    }
+
+    async fn check_savepoint(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql("ROLLBACK TO SAVEPOINT tower_idempotency_claimed")
+            .execute(conn)
+            .await
+            .map(drop)
+    }
 
     shared_statements!(
         MySql,
-        complete = "UPDATE idempotency_records SET status = ?, response_status = ?, \
-                    response_headers = ?, response_body = ?, resource_id = ? \
-                    WHERE principal_id = ? AND operation = ? AND idem_key = ?",
-        fetch = "SELECT status, request_fingerprint, response_status, response_headers, \
-                 response_body, resource_id, expires_at FROM idempotency_records \
-                 WHERE principal_id = ? AND operation = ? AND idem_key = ?",
-        expire = "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
-                  response_body = NULL \
-                  WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= ? LIMIT ?",
-        purge =
-            "DELETE FROM idempotency_records WHERE status = 'EXPIRED' AND expires_at <= ? LIMIT ?",
+        fetch = concat!(
+            "SELECT status, request_fingerprint, response_status, response_headers, \
+             response_body, resource_id, expires_at, \
+             CASE WHEN expires_at <= ",
+            now_ms!(),
+            " THEN 1 ELSE 0 END FROM idempotency_records \
+             WHERE principal_id = ? AND operation = ? AND idem_key = ?"
+        ),
+        mark = "UPDATE idempotency_records SET status = 'NEEDS_RECONCILIATION', response_status = ? \
+                WHERE principal_id = ? AND operation = ? AND idem_key = ? AND status = 'PROCESSING'",
+        list = "SELECT CONVERT(principal_id USING utf8mb4), CONVERT(operation USING utf8mb4), \
+                CONVERT(idem_key USING utf8mb4), status, response_status, created_at \
+                FROM idempotency_records WHERE status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \
+                ORDER BY created_at LIMIT ?",
+        resolve = "UPDATE idempotency_records SET status = ?, response_status = ?, \
+                   response_headers = ?, response_body = ?, resource_id = ? \
+                   WHERE principal_id = ? AND operation = ? AND idem_key = ? \
+                   AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
+        delete = "DELETE FROM idempotency_records \
+                  WHERE principal_id = ? AND operation = ? AND idem_key = ? \
+                  AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
+        expire = concat!(
+            "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
+             response_body = NULL WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') \
+             AND expires_at <= COALESCE(?, ",
+            now_ms!(),
+            ") LIMIT ?"
+        ),
+        purge = concat!(
+            "DELETE FROM idempotency_records WHERE status = 'EXPIRED' \
+             AND expires_at <= COALESCE(?, ",
+            now_ms!(),
+            ") - ? LIMIT ?"
+        ),
     );
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
@@ -64,8 +225,14 @@ impl Backend for MySql {
             .and_then(|e| e.try_downcast_ref::<MySqlDatabaseError>())
             .map(MySqlDatabaseError::number);
         match number {
-            // ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK
-            Some(1205 | 1213) => StoreErrorKind::LockTimeout,
+            // ER_LOCK_WAIT_TIMEOUT
+            Some(1205) => StoreErrorKind::LockTimeout,
+            // ER_LOCK_DEADLOCK
+            Some(1213) => StoreErrorKind::Conflict,
+            // ER_SP_DOES_NOT_EXIST: "SAVEPOINT … does not exist"
+            Some(1305) => StoreErrorKind::TransactionEnded,
+            // ER_CON_COUNT_ERROR
+            Some(1040) => StoreErrorKind::Busy,
             // server gone / lost / killed
             Some(2006 | 2013 | 1927 | 1053) => StoreErrorKind::ConnectionLost,
             _ => StoreErrorKind::Other,

@@ -1,60 +1,105 @@
 //! PostgreSQL: the production store.
 
-use std::time::Duration;
-
+use sqlx::pool::{MaybePoolConnection, PoolConnection};
 use sqlx::postgres::Postgres;
-use sqlx::{AssertSqlSafe, Pool, Transaction};
+use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 
-use super::{Backend, Claim, StoreErrorKind, generic_error_kind, shared_statements};
+use super::literal::hex;
+use super::{
+    Backend, Claim, ClaimOutcome, Completion, Migration, RecordStatus, SAVEPOINT, Scope,
+    StoreErrorKind, generic_error_kind, run_migrations, shared_statements,
+};
+
+/// The database clock, epoch milliseconds (the transaction's start time).
+macro_rules! now_ms {
+    () => {
+        "(EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT"
+    };
+}
+
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "idempotency_records",
+        sql: include_str!("../../migrations/postgres/0001_idempotency_records.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "byte_scopes_and_reconciliation",
+        sql: include_str!("../../migrations/postgres/0002_byte_scopes_and_reconciliation.sql"),
+    },
+];
 
 impl Backend for Postgres {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(include_str!(
-            "../../migrations/postgres/0001_idempotency_records.sql"
-        ))
-        .execute(pool)
-        .await
-        .map(drop)
+        // One transaction: PostgreSQL's DDL is transactional, and the
+        // advisory lock (released at commit) serializes concurrent callers.
+        let mut tx = pool.begin().await?;
+        run_migrations!(
+            &mut *tx,
+            MIGRATIONS,
+            create = "SELECT pg_advisory_xact_lock(7412390118661024); \
+                      CREATE TABLE IF NOT EXISTS tower_idempotency_migrations \
+                      (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)",
+            record = concat!(
+                "INSERT INTO tower_idempotency_migrations (version, name, applied_at) VALUES ($1, $2, ",
+                now_ms!(),
+                ")"
+            ),
+        )?;
+        tx.commit().await
     }
 
     async fn claim(
-        pool: &Pool<Self>,
+        conn: PoolConnection<Self>,
         claim: &Claim<'_>,
-        lock_wait: Duration,
-    ) -> Result<Option<Transaction<'static, Self>>, sqlx::Error> {
-        // Round trip 1: the claim's lock wait is bounded, and READ COMMITTED
-        // lets the insert see a winner that committed while it waited.
-        let ms = lock_wait.as_millis().clamp(1, i32::MAX as u128);
-        let mut tx = pool
-            .begin_with(AssertSqlSafe(format!(
-                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{ms}ms'"
-            )))
-            .await?;
-        // Round trip 2: insert, restore the session's lock timeout for the
-        // handler, take the savepoint. Three statements need the simple query
-        // protocol, which has no parameters, so every value is written as hex
-        // digits or a decimal integer: nothing from the request can change
-        // the statement.
+    ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
+        // Round trip 1: begin at the chosen isolation level, remember the
+        // session's lock_timeout, bound the claim's lock wait. Every setting
+        // is local to this transaction.
+        let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
+        let begin = format!(
+            "BEGIN ISOLATION LEVEL {}; \
+             SELECT set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true); \
+             SET LOCAL lock_timeout = '{ms}ms'",
+            claim.isolation.as_sql()
+        );
+        let mut tx = Transaction::begin(
+            MaybePoolConnection::PoolConnection(conn),
+            Some(AssertSqlSafe(begin).into_sql_str()),
+        )
+        .await?;
+        // Round trip 2: insert (the row's RETURNING puts the session's lock
+        // timeout back for the handler), then the savepoint. Several
+        // statements need the simple query protocol, which has no
+        // parameters, so every value is written as hex digits or a decimal
+        // integer: nothing from the request can change the statement.
         let sql = format!(
             "INSERT INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
-             VALUES ({}, {}, {}, decode('{}', 'hex'), 'PROCESSING', {}, {}) \
-             ON CONFLICT (principal_id, operation, idem_key) DO NOTHING; \
-             SET LOCAL lock_timeout = DEFAULT; SAVEPOINT tower_idempotency_claimed",
-            text_literal(claim.scope.principal),
-            text_literal(claim.scope.operation),
-            text_literal(claim.scope.key),
-            hex(claim.fingerprint),
-            claim.created_at,
-            claim.expires_at,
+             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}) \
+             ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
+             RETURNING expires_at, \
+             set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true); \
+             SAVEPOINT {SAVEPOINT}",
+            text(claim.scope.principal),
+            text(claim.scope.operation),
+            text(claim.scope.key),
+            bytea(claim.fingerprint),
+            claim.retention_ms,
+            now = now_ms!(),
         );
-        // SET and SAVEPOINT report no rows: the sum is the insert's count.
-        match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await {
-            Ok(done) if done.rows_affected() == 1 => Ok(Some(tx)),
-            Ok(_) => {
-                tx.rollback().await?;
-                Ok(None)
-            }
+        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
+            Ok(rows) => match rows.first() {
+                Some(row) => {
+                    let expires_at = row.try_get(0)?;
+                    Ok(ClaimOutcome::Won { tx, expires_at })
+                }
+                None => {
+                    tx.rollback().await?;
+                    Ok(ClaimOutcome::Lost)
+                }
+            },
             Err(e) => {
                 let _ = tx.rollback().await;
                 Err(e)
@@ -62,68 +107,131 @@ impl Backend for Postgres {
         }
     }
 
+    async fn complete(
+        conn: &mut sqlx::PgConnection,
+        scope: &Scope<'_>,
+        c: &Completion<'_>,
+    ) -> Result<(), sqlx::Error> {
+        // One round trip: (undo the business writes,) prove the claimed
+        // transaction is still ours by releasing its savepoint, record.
+        let undo = if c.status == RecordStatus::FailedFinal {
+            format!("ROLLBACK TO SAVEPOINT {SAVEPOINT}; ")
+        } else {
+            String::new()
+        };
+        let sql = format!(
+            "{undo}RELEASE SAVEPOINT {SAVEPOINT}; \
+             UPDATE idempotency_records SET status = '{}', response_status = {}, \
+             response_headers = {}, response_body = {}, resource_id = {} \
+             WHERE principal_id = {} AND operation = {} AND idem_key = {}",
+            c.status.as_str(),
+            c.response_status,
+            bytea(c.response_headers),
+            bytea(c.response_body),
+            c.resource_id.map_or_else(|| "NULL".to_string(), text),
+            text(scope.principal),
+            text(scope.operation),
+            text(scope.key),
+        );
+        let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(conn).await?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(sqlx::Error::RowNotFound)
+        }
+    }
+
+    async fn check_savepoint(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql("ROLLBACK TO SAVEPOINT tower_idempotency_claimed")
+            .execute(conn)
+            .await
+            .map(drop)
+    }
+
     shared_statements!(
         Postgres,
-        complete = "UPDATE idempotency_records SET status = $1, response_status = $2, \
-                    response_headers = $3, response_body = $4, resource_id = $5 \
-                    WHERE principal_id = $6 AND operation = $7 AND idem_key = $8",
-        fetch = "SELECT status, request_fingerprint, response_status, response_headers, \
-                 response_body, resource_id, expires_at FROM idempotency_records \
-                 WHERE principal_id = $1 AND operation = $2 AND idem_key = $3",
-        expire = "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
-                  response_body = NULL WHERE (principal_id, operation, idem_key) IN \
-                  (SELECT principal_id, operation, idem_key FROM idempotency_records \
-                  WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= $1 \
-                  LIMIT $2 FOR UPDATE SKIP LOCKED)",
-        purge = "DELETE FROM idempotency_records WHERE (principal_id, operation, idem_key) IN \
-                 (SELECT principal_id, operation, idem_key FROM idempotency_records \
-                 WHERE status = 'EXPIRED' AND expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
+        fetch = concat!(
+            "SELECT status, request_fingerprint, response_status, response_headers, \
+             response_body, resource_id, expires_at, \
+             CASE WHEN expires_at <= ",
+            now_ms!(),
+            " THEN 1::INT8 ELSE 0::INT8 END FROM idempotency_records \
+             WHERE principal_id = $1 AND operation = $2 AND idem_key = $3"
+        ),
+        mark = "UPDATE idempotency_records SET status = 'NEEDS_RECONCILIATION', response_status = $1 \
+                WHERE principal_id = $2 AND operation = $3 AND idem_key = $4 AND status = 'PROCESSING'",
+        list = "SELECT principal_id, operation, idem_key, status, response_status, created_at \
+                FROM idempotency_records WHERE status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \
+                ORDER BY created_at LIMIT $1",
+        resolve = "UPDATE idempotency_records SET status = $1, response_status = $2, \
+                   response_headers = $3, response_body = $4, resource_id = $5 \
+                   WHERE principal_id = $6 AND operation = $7 AND idem_key = $8 \
+                   AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
+        delete = "DELETE FROM idempotency_records \
+                  WHERE principal_id = $1 AND operation = $2 AND idem_key = $3 \
+                  AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
+        expire = concat!(
+            "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
+             response_body = NULL WHERE (principal_id, operation, idem_key) IN \
+             (SELECT principal_id, operation, idem_key FROM idempotency_records \
+             WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= COALESCE($1, ",
+            now_ms!(),
+            ") LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        ),
+        purge = concat!(
+            "DELETE FROM idempotency_records WHERE (principal_id, operation, idem_key) IN \
+             (SELECT principal_id, operation, idem_key FROM idempotency_records \
+             WHERE status = 'EXPIRED' AND expires_at <= COALESCE($1, ",
+            now_ms!(),
+            ") - $2 LIMIT $3 FOR UPDATE SKIP LOCKED)"
+        ),
     );
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {
             return kind;
         }
-        match err.as_database_error().and_then(|e| e.code()) {
+        let Some(code) = err.as_database_error().and_then(|e| e.code()) else {
+            return StoreErrorKind::Other;
+        };
+        match &*code {
             // lock_not_available: our lock_timeout fired.
-            Some(code) if code == "55P03" => StoreErrorKind::LockTimeout,
+            "55P03" => StoreErrorKind::LockTimeout,
+            // serialization_failure, deadlock_detected
+            "40001" | "40P01" => StoreErrorKind::Conflict,
+            // invalid_savepoint_specification, no_active_sql_transaction
+            "3B001" | "25P01" => StoreErrorKind::TransactionEnded,
+            // too_many_connections
+            "53300" => StoreErrorKind::Busy,
             // connection_exception (08…), operator intervention (57P…: terminated, shutdown).
-            Some(code) if code.starts_with("08") || code.starts_with("57P") => {
-                StoreErrorKind::ConnectionLost
-            }
+            c if c.starts_with("08") || c.starts_with("57P") => StoreErrorKind::ConnectionLost,
             _ => StoreErrorKind::Other,
         }
     }
 }
 
 /// A text value as an SQL expression made of hex digits only.
-fn text_literal(value: &str) -> String {
+fn text(value: &str) -> String {
     format!(
         "convert_from(decode('{}', 'hex'), 'UTF8')",
         hex(value.as_bytes())
     )
 }
 
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(DIGITS[usize::from(b >> 4)] as char);
-        out.push(DIGITS[usize::from(b & 0x0f)] as char);
-    }
-    out
+/// A `bytea` value as an SQL expression made of hex digits only.
+fn bytea(value: &[u8]) -> String {
+    format!("decode('{}', 'hex')", hex(value))
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
     fn literals_hold_only_hex_digits() {
-        let lit = super::text_literal("x'); DROP TABLE t; --");
+        let lit = super::text("x'); DROP TABLE t; --");
         let inner = lit
             .strip_prefix("convert_from(decode('")
             .and_then(|l| l.strip_suffix("', 'hex'), 'UTF8')"))
             .unwrap();
         assert!(inner.bytes().all(|b| b.is_ascii_hexdigit()));
-        assert_eq!(super::hex(&[0x00, 0xab, 0xff]), "00abff");
     }
 }

@@ -1,56 +1,195 @@
 //! SQLite: the embedded default.
 
-use sqlx::Pool;
+use sqlx::pool::{MaybePoolConnection, PoolConnection};
 use sqlx::sqlite::Sqlite;
+use sqlx::{Pool, SqlSafeStr, Transaction};
 
-use super::{Backend, StoreErrorKind, claim_by_statements, generic_error_kind, shared_statements};
+use super::{
+    Backend, Claim, ClaimOutcome, Completion, Migration, RecordStatus, Scope, StoreErrorKind,
+    generic_error_kind, run_migrations, shared_statements,
+};
+
+/// The database clock, epoch milliseconds.
+macro_rules! now_ms {
+    () => {
+        "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
+    };
+}
+
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "idempotency_records",
+        sql: include_str!("../../migrations/sqlite/0001_idempotency_records.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "byte_scopes_and_reconciliation",
+        sql: include_str!("../../migrations/sqlite/0002_byte_scopes_and_reconciliation.sql"),
+    },
+];
 
 impl Backend for Sqlite {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(include_str!(
-            "../../migrations/sqlite/0001_idempotency_records.sql"
-        ))
-        .execute(pool)
-        .await
-        .map(drop)
+        // The write lock, taken up front, serializes concurrent callers;
+        // SQLite's DDL is transactional.
+        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+        run_migrations!(
+            &mut *tx,
+            MIGRATIONS,
+            create = "CREATE TABLE IF NOT EXISTS tower_idempotency_migrations \
+                      (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at INTEGER NOT NULL)",
+            record = concat!(
+                "INSERT INTO tower_idempotency_migrations (version, name, applied_at) VALUES (?, ?, ",
+                now_ms!(),
+                ")"
+            ),
+        )?;
+        tx.commit().await
     }
 
     // Take the write lock up front: SQLite has one writer, and a deferred
     // transaction that read first could not upgrade after waiting. The wait
-    // is bounded by the connection's busy_timeout.
-    claim_by_statements!(
-        Sqlite,
-        begin = |pool, _lock_wait| pool.begin_with("BEGIN IMMEDIATE"),
-        insert = "INSERT INTO idempotency_records \
-                  (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
-                  VALUES (?, ?, ?, ?, 'PROCESSING', ?, ?) \
-                  ON CONFLICT (principal_id, operation, idem_key) DO NOTHING",
-        savepoint = "SAVEPOINT tower_idempotency_claimed",
-    );
+    // is bounded by the connection's busy_timeout. SQLite transactions are
+    // serializable whatever level is asked for.
+    async fn claim(
+        conn: PoolConnection<Self>,
+        claim: &Claim<'_>,
+    ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
+        let mut tx = Transaction::begin(
+            MaybePoolConnection::PoolConnection(conn),
+            Some("BEGIN IMMEDIATE".into_sql_str()),
+        )
+        .await?;
+        let inserted: Result<Option<i64>, _> = sqlx::query_scalar(concat!(
+            "INSERT INTO idempotency_records \
+             (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
+             VALUES (?, ?, ?, ?, 'PROCESSING', ",
+            now_ms!(),
+            ", ",
+            now_ms!(),
+            " + ?) ON CONFLICT (principal_id, operation, idem_key) DO NOTHING RETURNING expires_at"
+        ))
+        .bind(claim.scope.principal)
+        .bind(claim.scope.operation)
+        .bind(claim.scope.key)
+        .bind(claim.fingerprint)
+        .bind(claim.retention_ms)
+        .fetch_optional(&mut *tx)
+        .await;
+        match inserted {
+            Ok(Some(expires_at)) => {
+                sqlx::raw_sql("SAVEPOINT tower_idempotency_claimed")
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(ClaimOutcome::Won { tx, expires_at })
+            }
+            Ok(None) => {
+                tx.rollback().await?;
+                Ok(ClaimOutcome::Lost)
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn complete(
+        conn: &mut sqlx::SqliteConnection,
+        scope: &Scope<'_>,
+        c: &Completion<'_>,
+    ) -> Result<(), sqlx::Error> {
+        // An embedded database has no round trips to save: prove the
+        // claimed transaction is still ours, then record with parameters.
+        let check = if c.status == RecordStatus::FailedFinal {
+            "ROLLBACK TO SAVEPOINT tower_idempotency_claimed; RELEASE SAVEPOINT tower_idempotency_claimed"
+        } else {
+            "RELEASE SAVEPOINT tower_idempotency_claimed"
+        };
+        sqlx::raw_sql(check).execute(&mut *conn).await?;
+        let done = sqlx::query(
+            "UPDATE idempotency_records SET status = ?, response_status = ?, \
+             response_headers = ?, response_body = ?, resource_id = ? \
+             WHERE principal_id = ? AND operation = ? AND idem_key = ?",
+        )
+        .bind(c.status.as_str())
+        .bind(c.response_status)
+        .bind(c.response_headers)
+        .bind(c.response_body)
+        .bind(c.resource_id)
+        .bind(scope.principal)
+        .bind(scope.operation)
+        .bind(scope.key)
+        .execute(&mut *conn)
+        .await?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(sqlx::Error::RowNotFound)
+        }
+    }
+
+    async fn check_savepoint(conn: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql("ROLLBACK TO SAVEPOINT tower_idempotency_claimed")
+            .execute(conn)
+            .await
+            .map(drop)
+    }
 
     shared_statements!(
         Sqlite,
-        complete = "UPDATE idempotency_records SET status = ?, response_status = ?, \
-                    response_headers = ?, response_body = ?, resource_id = ? \
-                    WHERE principal_id = ? AND operation = ? AND idem_key = ?",
-        fetch = "SELECT status, request_fingerprint, response_status, response_headers, \
-                 response_body, resource_id, expires_at FROM idempotency_records \
-                 WHERE principal_id = ? AND operation = ? AND idem_key = ?",
-        expire = "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
-                  response_body = NULL WHERE rowid IN (SELECT rowid FROM idempotency_records \
-                  WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= ? LIMIT ?)",
-        purge = "DELETE FROM idempotency_records WHERE rowid IN (SELECT rowid FROM idempotency_records \
-                 WHERE status = 'EXPIRED' AND expires_at <= ? LIMIT ?)",
+        fetch = concat!(
+            "SELECT status, request_fingerprint, response_status, response_headers, \
+             response_body, resource_id, expires_at, \
+             CASE WHEN expires_at <= ",
+            now_ms!(),
+            " THEN 1 ELSE 0 END FROM idempotency_records \
+             WHERE principal_id = ? AND operation = ? AND idem_key = ?"
+        ),
+        mark = "UPDATE idempotency_records SET status = 'NEEDS_RECONCILIATION', response_status = ? \
+                WHERE principal_id = ? AND operation = ? AND idem_key = ? AND status = 'PROCESSING'",
+        list = "SELECT principal_id, operation, idem_key, status, response_status, created_at \
+                FROM idempotency_records WHERE status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \
+                ORDER BY created_at LIMIT ?",
+        resolve = "UPDATE idempotency_records SET status = ?, response_status = ?, \
+                   response_headers = ?, response_body = ?, resource_id = ? \
+                   WHERE principal_id = ? AND operation = ? AND idem_key = ? \
+                   AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
+        delete = "DELETE FROM idempotency_records \
+                  WHERE principal_id = ? AND operation = ? AND idem_key = ? \
+                  AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
+        expire = concat!(
+            "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
+             response_body = NULL WHERE rowid IN (SELECT rowid FROM idempotency_records \
+             WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= COALESCE(?, ",
+            now_ms!(),
+            ") LIMIT ?)"
+        ),
+        purge = concat!(
+            "DELETE FROM idempotency_records WHERE rowid IN (SELECT rowid FROM idempotency_records \
+             WHERE status = 'EXPIRED' AND expires_at <= COALESCE(?, ",
+            now_ms!(),
+            ") - ? LIMIT ?)"
+        ),
     );
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {
             return kind;
         }
-        let code = err.as_database_error().and_then(|e| e.code());
-        // SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes.
-        match code.as_deref().and_then(|c| c.parse::<i32>().ok()) {
-            Some(c) if matches!(c & 0xff, 5 | 6) => StoreErrorKind::LockTimeout,
+        let Some(db) = err.as_database_error() else {
+            return StoreErrorKind::Other;
+        };
+        // SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes:
+        // the database's write lock, whoever holds it.
+        match db.code().as_deref().and_then(|c| c.parse::<i32>().ok()) {
+            Some(c) if matches!(c & 0xff, 5 | 6) => StoreErrorKind::Busy,
+            // SQLite reports a missing savepoint as a plain SQLITE_ERROR (1),
+            // with no extended code; only the message tells it apart.
+            Some(1) if db.message().starts_with("no such savepoint") => {
+                StoreErrorKind::TransactionEnded
+            }
             _ => StoreErrorKind::Other,
         }
     }
