@@ -1,7 +1,8 @@
 //! Micro-benchmarks of the layer's own work: key parsing, fingerprinting
 //! 1 KiB and 64 KiB JSON bodies, and a whole replay through the layer on
 //! in-memory SQLite (ledger read plus response construction), next to a
-//! bare service call as the baseline of the same run.
+//! bare service call as the baseline of the same run. The fingerprints run
+//! next to the former `serde_json::Value` canonicalization, as a baseline.
 
 use std::hint::black_box;
 
@@ -62,8 +63,70 @@ fn fingerprints(c: &mut Criterion) {
         g.bench_function(name, |b| {
             b.iter(|| n.fingerprint(&parts, black_box(&body)).unwrap())
         });
+        g.bench_function(
+            format!("{name}, serde_json::Value + sorted keys (old, baseline)"),
+            |b| b.iter(|| old_fingerprint(&parts, black_box(&body))),
+        );
     }
     g.finish();
+}
+
+/// The fingerprint as computed before the streaming canonicalizer: parse
+/// into a `serde_json::Value` (numbers as u64/i64/f64), write it back with
+/// sorted keys into SHA-256. Kept as the same-run baseline.
+fn old_fingerprint(parts: &http::request::Parts, body: &Bytes) -> [u8; 32] {
+    use serde_json::Value;
+    use sha2::{Digest, Sha256};
+
+    struct HashWriter<'a>(&'a mut Sha256);
+    impl std::io::Write for HashWriter<'_> {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.update(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    fn write_canonical(value: &Value, out: &mut impl std::io::Write) -> std::io::Result<()> {
+        match value {
+            Value::Object(map) => {
+                let mut entries: Vec<_> = map.iter().collect();
+                entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+                out.write_all(b"{")?;
+                for (i, (k, v)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.write_all(b",")?;
+                    }
+                    serde_json::to_writer(&mut *out, k.as_str())?;
+                    out.write_all(b":")?;
+                    write_canonical(v, out)?;
+                }
+                out.write_all(b"}")
+            }
+            Value::Array(items) => {
+                out.write_all(b"[")?;
+                for (i, v) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.write_all(b",")?;
+                    }
+                    write_canonical(v, out)?;
+                }
+                out.write_all(b"]")
+            }
+            scalar => Ok(serde_json::to_writer(&mut *out, scalar)?),
+        }
+    }
+
+    let mut h = Sha256::new();
+    let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+    for part in [parts.method.as_str().as_bytes(), target.as_bytes()] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part);
+    }
+    let value: Value = serde_json::from_slice(body).unwrap();
+    write_canonical(&value, &mut HashWriter(&mut h)).unwrap();
+    h.finalize().into()
 }
 
 fn replay(c: &mut Criterion) {

@@ -22,19 +22,20 @@ fn normalize_escapes(path: &str) -> String {
     let mut i = 0;
     while i < bytes.len() {
         let b = bytes[i];
-        if b == b'%' && i + 2 < bytes.len() {
-            if let (Some(hi), Some(lo)) = (hex_value(bytes[i + 1]), hex_value(bytes[i + 2])) {
-                let decoded = hi << 4 | lo;
-                if is_unreserved(decoded) {
-                    out.push(char::from(decoded));
-                } else {
-                    out.push('%');
-                    out.push(char::from(bytes[i + 1].to_ascii_uppercase()));
-                    out.push(char::from(bytes[i + 2].to_ascii_uppercase()));
-                }
-                i += 3;
-                continue;
+        if b == b'%'
+            && i + 2 < bytes.len()
+            && let (Some(hi), Some(lo)) = (hex_value(bytes[i + 1]), hex_value(bytes[i + 2]))
+        {
+            let decoded = (hi << 4) | lo;
+            if is_unreserved(decoded) {
+                out.push(char::from(decoded));
+            } else {
+                out.push('%');
+                out.push(char::from(bytes[i + 1].to_ascii_uppercase()));
+                out.push(char::from(bytes[i + 2].to_ascii_uppercase()));
             }
+            i += 3;
+            continue;
         }
         // A path is ASCII in an `http::Uri`; keep any other byte as it is.
         let ch_len = utf8_len(b);

@@ -664,12 +664,6 @@ impl<DB: Backend> Run<DB> {
                         }
                     }
                 }
-                StoreErrorKind::Conflict => {
-                    let detail = "the transaction conflicted with a concurrent one and was rolled back; nothing was committed, retry with the same key";
-                    let problem =
-                        Problem::new(ProblemKind::TransactionConflict, detail).retry_after(1);
-                    Ok(refuse(problem, 1))
-                }
                 _ => Ok(refuse(store_problem::<DB>(&e), 1)),
             },
         }
@@ -786,6 +780,10 @@ fn store_problem<DB: Backend>(e: &sqlx::Error) -> Problem {
         StoreErrorKind::Busy => (
             ProblemKind::StoreBusy,
             "the idempotency store is busy; nothing was recorded, retry with the same key",
+        ),
+        StoreErrorKind::Conflict => (
+            ProblemKind::TransactionConflict,
+            "the transaction conflicted with a concurrent one and was rolled back; nothing was committed, retry with the same key",
         ),
         StoreErrorKind::ConnectionLost => (
             ProblemKind::StoreUnavailable,

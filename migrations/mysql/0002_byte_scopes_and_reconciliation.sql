@@ -6,7 +6,8 @@ ALTER TABLE idempotency_records
     MODIFY principal_id VARBINARY(255) NOT NULL,
     MODIFY operation    VARBINARY(255) NOT NULL,
     MODIFY idem_key     VARBINARY(255) NOT NULL;
--- The NEEDS_RECONCILIATION status.
-ALTER TABLE idempotency_records DROP CONSTRAINT idempotency_records_status;
+-- The NEEDS_RECONCILIATION status (20 characters).
+ALTER TABLE idempotency_records MODIFY status VARCHAR(32) CHARACTER SET ascii NOT NULL;
+ALTER TABLE idempotency_records DROP CONSTRAINT IF EXISTS idempotency_records_status;
 ALTER TABLE idempotency_records ADD CONSTRAINT idempotency_records_status
     CHECK (status IN ('PROCESSING', 'SUCCEEDED', 'FAILED_FINAL', 'EXPIRED', 'NEEDS_RECONCILIATION'));

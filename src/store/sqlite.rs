@@ -107,7 +107,9 @@ impl Backend for Sqlite {
         } else {
             "RELEASE SAVEPOINT tower_idempotency_claimed"
         };
-        sqlx::raw_sql(check).execute(&mut *conn).await?;
+        if let Err(e) = sqlx::raw_sql(check).execute(&mut *conn).await {
+            return Err(reopen_if_ended(conn, e).await);
+        }
         let done = sqlx::query(
             "UPDATE idempotency_records SET status = ?, response_status = ?, \
              response_headers = ?, response_body = ?, resource_id = ? \
@@ -131,10 +133,13 @@ impl Backend for Sqlite {
     }
 
     async fn check_savepoint(conn: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql("ROLLBACK TO SAVEPOINT tower_idempotency_claimed")
-            .execute(conn)
+        match sqlx::raw_sql("ROLLBACK TO SAVEPOINT tower_idempotency_claimed")
+            .execute(&mut *conn)
             .await
-            .map(drop)
+        {
+            Ok(_) => Ok(()),
+            Err(e) => Err(reopen_if_ended(conn, e).await),
+        }
     }
 
     shared_statements!(
@@ -193,4 +198,16 @@ impl Backend for Sqlite {
             _ => StoreErrorKind::Other,
         }
     }
+}
+
+/// The handler ended the claimed transaction: sqlx still counts it open,
+/// and SQLite refuses a `ROLLBACK` outside a transaction, which would leave
+/// that count behind on a pooled connection. Open a transaction again so
+/// the layer's rollback closes it and the connection goes back clean.
+async fn reopen_if_ended(conn: &mut sqlx::SqliteConnection, e: sqlx::Error) -> sqlx::Error {
+    if Sqlite::error_kind(&e) == StoreErrorKind::TransactionEnded {
+        // Fails harmlessly when the handler had begun a new transaction.
+        let _ = sqlx::raw_sql("BEGIN").execute(conn).await;
+    }
+    e
 }

@@ -25,6 +25,13 @@ macro_rules! simple_queries {
         async fn exec(pool: &Pool<Self>, sql: &'static str) {
             sqlx::raw_sql(sql).execute(pool).await.unwrap();
         }
+
+        async fn exec_on(
+            conn: &mut Self::Connection,
+            sql: &'static str,
+        ) -> Result<(), sqlx::Error> {
+            sqlx::raw_sql(sql).execute(conn).await.map(drop)
+        }
     };
 }
 

@@ -3,7 +3,10 @@
 
 use std::time::{Duration, Instant};
 
+use axum::extract::State;
+use bytes::Bytes;
 use http::StatusCode;
+use sqlx::Pool;
 
 use super::{ConformanceDb, Harness, order, send};
 use crate::expiry::http_date;
@@ -871,4 +874,458 @@ pub async fn answer_lost_after_commit_is_replayed_not_re_executed<DB: Conformanc
     assert!(retry.replayed());
     assert_eq!(h.executions(), 1);
     assert_eq!(h.orders().await, 1);
+}
+
+/// A layer whose principal is the raw `x-principal` header, byte for byte
+/// (no trimming, any UTF-8), for the identity cases.
+fn raw_principal_layer<DB: ConformanceDb>(h: &Harness<DB>) -> IdempotencyLayer<DB> {
+    IdempotencyLayer::new(h.pool.clone()).with_principal(|parts| {
+        let raw = parts.headers.get("x-principal")?.as_bytes();
+        String::from_utf8(raw.to_vec())
+            .ok()
+            .map(crate::Principal::new)
+    })
+}
+
+fn as_principal(principal: &str, key: &str, body: &str) -> http::Request<axum::body::Body> {
+    let mut req = order(None, Some(key), body);
+    req.headers_mut().insert(
+        "x-principal",
+        http::HeaderValue::from_bytes(principal.as_bytes()).unwrap(),
+    );
+    req
+}
+
+/// Hardening 1: scopes compare byte for byte on every store: trailing
+/// spaces, case and Unicode-equivalent spellings are different principals
+/// and keys, never a replay of someone else's answer.
+pub async fn scopes_compare_byte_for_byte<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app_with(raw_principal_layer(&h));
+    let nfc = "caf\u{e9}";
+    let nfd = "cafe\u{301}";
+    let cases = [
+        ("alice", "\"k-1\""),
+        ("alice", "\"k-1 \""),
+        ("alice ", "\"k-1\""),
+        ("Alice", "\"k-1\""),
+        ("alice", "\"K-1\""),
+        (nfc, "\"k-1\""),
+        (nfd, "\"k-1\""),
+    ];
+    for (principal, key) in cases {
+        let a = send(&app, as_principal(principal, key, BODY)).await;
+        assert_eq!(
+            a.status,
+            StatusCode::CREATED,
+            "{principal:?} {key:?}: {a:?}"
+        );
+        assert!(
+            !a.replayed(),
+            "{principal:?} {key:?} got another scope's answer"
+        );
+    }
+    assert_eq!(h.executions(), cases.len());
+    assert_eq!(h.orders().await, cases.len() as i64);
+    assert_eq!(h.ledger().await, cases.len() as i64);
+    // Each one still replays its own answer.
+    for (principal, key) in cases {
+        assert!(
+            send(&app, as_principal(principal, key, BODY))
+                .await
+                .replayed()
+        );
+    }
+    assert_eq!(h.executions(), cases.len());
+}
+
+/// Hardening 2: a literal principal spelled like a long principal's stored
+/// hash is a scope of its own.
+pub async fn literal_hash_principal_never_meets_a_long_one<DB: ConformanceDb>(h: Harness<DB>) {
+    use sha2::Digest;
+    let app = h.app_with(raw_principal_layer(&h));
+    let long = "p".repeat(600);
+    let digest = sha2::Sha256::digest(long.as_bytes());
+    let spelled: String = std::iter::once("sha256:".to_string())
+        .chain(digest.iter().map(|b| format!("{b:02x}")))
+        .collect();
+    let first = send(&app, as_principal(&long, "k", BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let other = send(&app, as_principal(&spelled, "k", BODY)).await;
+    assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+    assert!(
+        !other.replayed(),
+        "the literal principal read the long one's answer"
+    );
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.orders().await, 2);
+}
+
+/// `POST /orders/{id}/pay` for the path cases: one order per execution.
+async fn pay<DB: ConformanceDb>(
+    State(st): State<super::AppState<DB>>,
+    tx: crate::Tx<DB>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    st.executions
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let mut conn = tx.lock().unwrap();
+    let id = DB::insert_order(&mut conn, "payer", 1).await.unwrap();
+    (StatusCode::CREATED, format!("{{\"paymentId\":{id}}}")).into_response()
+}
+
+/// Hardening 3: the same key on two spellings of one path is one request,
+/// with the layer outside the router (no `MatchedPath`: the operation is
+/// the normalized path) and on the route (the template).
+pub async fn path_spellings_are_one_operation<DB: ConformanceDb>(h: Harness<DB>) {
+    use axum::routing::post;
+    let state = super::AppState {
+        pool: h.pool.clone(),
+        executions: std::sync::Arc::clone(&h.executions),
+    };
+    let inside = axum::Router::new()
+        .route("/orders/{id}/pay", post(pay::<DB>).layer(h.layer()))
+        .with_state(state.clone());
+    let routes = axum::Router::new()
+        .route("/orders/{id}/pay", post(pay::<DB>))
+        .with_state(state);
+    let outside = axum::Router::new().fallback_service(
+        tower::ServiceBuilder::new()
+            .layer(h.layer())
+            .service(routes),
+    );
+    let request = |path: &str, key: &str| {
+        let mut req = order(ALICE, Some(key), "{}");
+        *req.uri_mut() = path.parse().unwrap();
+        req
+    };
+    for (app, key) in [(&outside, "outside"), (&inside, "inside")] {
+        let first = send(app, request("/orders/abc/pay", key)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{key}: {first:?}");
+        // (axum's router does not remove dot segments: that spelling only
+        // reaches the layer outside it.)
+        let spellings: &[&str] = if key == "outside" {
+            &["/orders/%61bc/pay", "/orders/x/../abc/./pay", "/orders/%61%62%63/pay"]
+        } else {
+            &["/orders/%61bc/pay", "/orders/%61%62%63/pay"]
+        };
+        for spelling in spellings {
+            let again = send(app, request(spelling, key)).await;
+            assert_eq!(
+                again.status,
+                StatusCode::CREATED,
+                "{key} {spelling}: {again:?}"
+            );
+            assert!(again.replayed(), "{key} {spelling} ran again");
+            assert_eq!(again.body, first.body);
+        }
+        // Another resource under the same key: outside the router another
+        // operation (its own scope, so it runs); on the route the same
+        // operation (the template) with another fingerprint (refused).
+        let other = send(app, request("/orders/xyz/pay", key)).await;
+        if key == "outside" {
+            assert_eq!(other.status, StatusCode::CREATED, "{other:?}");
+            assert!(!other.replayed());
+        } else {
+            assert_eq!(other.problem(), "key-reused", "{other:?}");
+        }
+    }
+    assert_eq!(h.executions(), 3, "one payment per resource and placement");
+    assert_eq!(h.orders().await, 3);
+}
+
+/// Hardening 7: duplicates that outlive the in-flight wait are answered
+/// `409` within that one wait (local wait included), and a storm of them
+/// on a small pool leaves connections for keys nobody contends.
+pub async fn waiting_is_bounded_and_leaves_the_pool_to_others<DB: ConformanceDb>(h: Harness<DB>) {
+    if DB::LABEL == "sqlite" {
+        // One writer at a time: another key waits for the write lock (and
+        // gets 503 store-busy) whatever the pool does.
+        return;
+    }
+    let small = sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(3)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_with((*h.pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let layer = || IdempotencyLayer::new(small.clone()).with_principal(super::bearer);
+    let one = h.app_with(layer());
+    let two = h.app_with(layer());
+    let slow = r#"{"amount":1,"sleep_ms":4000}"#;
+    let first = tokio::spawn({
+        let app = one.clone();
+        async move { send(&app, order(ALICE, KEY, slow)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Duplicates on this instance and on another one (another layer).
+    let duplicates: Vec<_> = (0..10)
+        .map(|i| {
+            let app = if i % 2 == 0 { one.clone() } else { two.clone() };
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let a = send(&app, order(ALICE, KEY, slow)).await;
+                (a, started.elapsed())
+            })
+        })
+        .collect();
+    for at in [600, 1500, 2500] {
+        tokio::time::sleep_until(tokio::time::Instant::now() + Duration::from_millis(100)).await;
+        let _ = at;
+        let key = format!("unrelated-{at}");
+        let started = Instant::now();
+        let other = send(&one, order(ALICE, Some(&key), BODY)).await;
+        assert_eq!(
+            other.status,
+            StatusCode::CREATED,
+            "an uncontended key found no connection after {:?}: {other:?}",
+            started.elapsed()
+        );
+    }
+    for d in duplicates {
+        let (a, took) = d.await.unwrap();
+        assert_eq!(a.status, StatusCode::CONFLICT, "{a:?}");
+        assert_eq!(a.problem(), "in-flight");
+        assert!(a.headers.contains_key("retry-after"));
+        assert!(
+            took < Duration::from_millis(3200),
+            "a duplicate waited {took:?}, past the 2 s in-flight wait"
+        );
+    }
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(h.executions(), 4, "the first and three unrelated keys");
+    assert_eq!(h.orders().await, 4);
+}
+
+/// Hardening 10: a busy store is `503` store-busy, never "in flight" for a
+/// key that has no record: another scope holds the database's write lock
+/// on SQLite; elsewhere the fresh key just runs.
+pub async fn busy_store_is_503_not_in_flight<DB: ConformanceDb>(h: Harness<DB>) {
+    let held = DB::hold_claim(&h.pool, "someone-else", "POST /orders", "their-key").await;
+    let a = send(&h.app(), order(ALICE, KEY, BODY)).await;
+    if DB::LABEL == "sqlite" {
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
+        assert_eq!(a.problem(), "store-busy");
+        assert!(a.headers.contains_key("retry-after"));
+        assert_eq!(h.executions(), 0);
+    } else {
+        assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
+    }
+    held.rollback().await.unwrap();
+    let a = send(&h.app(), order(ALICE, KEY, BODY)).await;
+    assert_eq!(a.status, StatusCode::CREATED);
+    assert_eq!(h.orders().await, 1);
+}
+
+/// Hardening 11: a handler that ends the claimed transaction itself is
+/// answered `500` transaction-ended; what it committed stays, the key
+/// answers `503` reconciling (never "in flight", never a new execution)
+/// until an operator resolves it.
+pub async fn handler_that_ends_the_transaction_is_held_for_reconciliation<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h.app();
+    let mut modes = vec!["commit_503", "commit_201", "commit_409"];
+    if DB::LABEL == "mysql" {
+        modes.push("ddl_201");
+    }
+    for mode in &modes {
+        let body = format!(r#"{{"amount":1,"mode":"{mode}"}}"#);
+        let a = send(&app, order(ALICE, Some(mode), &body)).await;
+        assert_eq!(a.status, StatusCode::INTERNAL_SERVER_ERROR, "{mode}: {a:?}");
+        assert_eq!(a.problem(), "transaction-ended", "{mode}");
+        for _ in 0..2 {
+            let retry = send(&app, order(ALICE, Some(mode), &body)).await;
+            assert_eq!(
+                retry.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{mode}: {retry:?}"
+            );
+            assert_eq!(retry.problem(), "reconciling", "{mode}");
+            assert!(retry.headers.contains_key("retry-after"));
+        }
+    }
+    assert_eq!(h.executions(), modes.len(), "retries never execute");
+    assert_eq!(
+        h.orders().await,
+        modes.len() as i64,
+        "the handler's commits stay"
+    );
+    let marked = DB::count(
+        &h.pool,
+        "SELECT COUNT(*) FROM idempotency_records WHERE status = 'NEEDS_RECONCILIATION'",
+    )
+    .await;
+    assert_eq!(marked, modes.len() as i64);
+    // The operator resolves one as succeeded and one as safe to re-run.
+    let reconciler = crate::Reconciler::new(h.pool.clone());
+    let open = reconciler.unresolved(100).await.unwrap();
+    assert_eq!(open.len(), modes.len());
+    let find = |key: &str| open.iter().find(|r| r.key == key).unwrap().clone();
+    let answer = http::Response::builder()
+        .status(201)
+        .header("content-type", "application/json")
+        .body(Bytes::from_static(b"{\"orderId\":\"resolved\"}"))
+        .unwrap();
+    let resolved = find("commit_201");
+    assert!(
+        reconciler
+            .resolve(&resolved, crate::Resolution::Succeeded(answer))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !reconciler
+            .resolve(&resolved, crate::Resolution::Rerun)
+            .await
+            .unwrap(),
+        "a resolved key cannot be resolved twice"
+    );
+    assert!(
+        reconciler
+            .resolve(&find("commit_503"), crate::Resolution::Rerun)
+            .await
+            .unwrap()
+    );
+    let replay = send(
+        &app,
+        order(
+            ALICE,
+            Some("commit_201"),
+            r#"{"amount":1,"mode":"commit_201"}"#,
+        ),
+    )
+    .await;
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert!(replay.replayed());
+    assert_eq!(&replay.body[..], b"{\"orderId\":\"resolved\"}");
+    let rerun = send(
+        &app,
+        order(ALICE, Some("commit_503"), r#"{"amount":1,"mode":"ok"}"#),
+    )
+    .await;
+    assert_eq!(rerun.status, StatusCode::CREATED, "{rerun:?}");
+    assert_eq!(
+        reconciler.unresolved(100).await.unwrap().len(),
+        modes.len() - 2
+    );
+}
+
+/// Hardening 9: under `SERIALIZABLE` (and `REPEATABLE READ`), a claim that
+/// loses to a concurrent one is read back and replayed, never a store
+/// error; concurrent duplicates still execute once.
+pub async fn stricter_isolation_keeps_the_guarantees<DB: ConformanceDb>(h: Harness<DB>) {
+    for (level, key) in [
+        (crate::IsolationLevel::Serializable, "serializable"),
+        (crate::IsolationLevel::RepeatableRead, "repeatable"),
+    ] {
+        // Two instances: the duplicate waits on the first in the database.
+        let one = h.app_with(h.layer().with_isolation_level(level));
+        let two = h.app_with(h.layer().with_isolation_level(level));
+        let body = r#"{"amount":3,"sleep_ms":300}"#;
+        let first = tokio::spawn({
+            let one = one.clone();
+            async move { send(&one, order(ALICE, Some(key), body)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let second = send(&two, order(ALICE, Some(key), body)).await;
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        assert!(
+            second.replayed() || second.problem() == "in-flight",
+            "{level:?}: {second:?}"
+        );
+        let again = send(&two, order(ALICE, Some(key), body)).await;
+        assert!(again.replayed(), "{again:?}");
+        assert_eq!(again.body, first.body);
+    }
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.orders().await, 2);
+}
+
+/// Migrations: a database created by the previous release (the ledger
+/// without a migrations table, with a row in it) is upgraded in place, and
+/// three instances migrating at once apply each version exactly once.
+pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>(h: Harness<DB>) {
+    let (url, _drop) = DB::fresh_url().await;
+    let url = if DB::LABEL == "sqlite" {
+        format!("{url}?mode=rwc")
+    } else {
+        url
+    };
+    let pools: Vec<Pool<DB>> = {
+        let mut pools = Vec::new();
+        for _ in 0..3 {
+            pools.push(
+                sqlx::pool::PoolOptions::<DB>::new()
+                    .max_connections(2)
+                    .connect(&url)
+                    .await
+                    .unwrap(),
+            );
+        }
+        pools
+    };
+    let v1 = match DB::LABEL {
+        "postgres" => include_str!("../../migrations/postgres/0001_idempotency_records.sql"),
+        "mysql" => include_str!("../../migrations/mysql/0001_idempotency_records.sql"),
+        _ => include_str!("../../migrations/sqlite/0001_idempotency_records.sql"),
+    };
+    DB::exec(&pools[0], v1).await;
+    let old_row = if DB::LABEL == "postgres" {
+        "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
+         status, response_status, created_at, expires_at) \
+         VALUES ('old', 'op', 'k', '\\x00', 'SUCCEEDED', 201, 0, 9000000000000)"
+    } else {
+        "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
+         status, response_status, created_at, expires_at) \
+         VALUES ('old', 'op', 'k', X'00', 'SUCCEEDED', 201, 0, 9000000000000)"
+    };
+    DB::exec(&pools[0], old_row).await;
+    let runs: Vec<_> = pools
+        .iter()
+        .cloned()
+        .map(|pool| tokio::spawn(async move { crate::migrate(&pool).await }))
+        .collect();
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    let pool = &pools[0];
+    assert_eq!(
+        DB::count(pool, "SELECT COUNT(*) FROM tower_idempotency_migrations").await,
+        2
+    );
+    assert_eq!(
+        DB::count(
+            pool,
+            "SELECT MAX(version) FROM tower_idempotency_migrations"
+        )
+        .await,
+        2
+    );
+    assert_eq!(
+        DB::count(
+            pool,
+            "SELECT COUNT(*) FROM idempotency_records WHERE principal_id = 'old' AND response_status = 201"
+        )
+        .await,
+        1,
+        "the old row survives the upgrade"
+    );
+    // The new status is allowed; trailing spaces make another scope.
+    let new_row = if DB::LABEL == "postgres" {
+        "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
+         status, created_at, expires_at) VALUES ('old ', 'op', 'k', '\\x00', 'NEEDS_RECONCILIATION', 0, 1)"
+    } else {
+        "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
+         status, created_at, expires_at) VALUES ('old ', 'op', 'k', X'00', 'NEEDS_RECONCILIATION', 0, 1)"
+    };
+    DB::exec(pool, new_row).await;
+    // Re-running is a no-op.
+    crate::migrate(pool).await.unwrap();
+    assert_eq!(
+        DB::count(pool, "SELECT COUNT(*) FROM tower_idempotency_migrations").await,
+        2
+    );
+    drop(h);
 }

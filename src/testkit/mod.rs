@@ -77,6 +77,12 @@ pub trait ConformanceDb: Backend + Sized {
     fn count(pool: &Pool<Self>, sql: &'static str) -> impl Future<Output = i64> + Send;
     /// Runs a statement (no parameters).
     fn exec(pool: &Pool<Self>, sql: &'static str) -> impl Future<Output = ()> + Send;
+    /// Runs statements (no parameters) on a connection, such as the
+    /// claimed transaction's.
+    fn exec_on(
+        conn: &mut Self::Connection,
+        sql: &'static str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
     /// Holds the key's write lock the way a stuck first request would: a
     /// transaction with the scope's uncommitted claim, left open.
     fn hold_claim(
@@ -229,6 +235,23 @@ async fn create_order<DB: ConformanceDb>(
         }
         "kill_connection" => {
             assert!(DB::kill_own_connection(&st.pool, &mut conn).await);
+        }
+        // The handler ends the claimed transaction itself: an explicit
+        // COMMIT, then an answer the layer would roll back or record.
+        "commit_503" => {
+            DB::exec_on(&mut conn, "COMMIT").await.unwrap();
+            return (StatusCode::SERVICE_UNAVAILABLE, "try later").into_response();
+        }
+        "commit_201" => DB::exec_on(&mut conn, "COMMIT").await.unwrap(),
+        "commit_409" => {
+            DB::exec_on(&mut conn, "COMMIT").await.unwrap();
+            return (StatusCode::CONFLICT, "out of stock").into_response();
+        }
+        // MySQL's DDL commits implicitly (elsewhere it is transactional).
+        "ddl_201" if DB::LABEL == "mysql" => {
+            DB::exec_on(&mut conn, "CREATE TABLE implicit_commit (id INT)")
+                .await
+                .unwrap()
         }
         _ => {}
     }
@@ -430,6 +453,14 @@ macro_rules! conformance_suite {
             long_principals_are_scoped_by_their_hash,
             waiting_duplicates_hold_no_pooled_connection,
             answer_lost_after_commit_is_replayed_not_re_executed,
+            scopes_compare_byte_for_byte,
+            literal_hash_principal_never_meets_a_long_one,
+            path_spellings_are_one_operation,
+            waiting_is_bounded_and_leaves_the_pool_to_others,
+            busy_store_is_503_not_in_flight,
+            handler_that_ends_the_transaction_is_held_for_reconciliation,
+            stricter_isolation_keeps_the_guarantees,
+            migrations_upgrade_in_place_and_run_concurrently,
         );
     };
 }

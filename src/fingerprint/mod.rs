@@ -7,19 +7,58 @@
 //! dates change from attempt to attempt. The fingerprint compares requests; it
 //! never authenticates them (the principal in the scope does that).
 //!
+//! # Canonical JSON
+//!
 //! The default normalizer reads JSON bodies (`application/json` and any
-//! `+json` media type) as canonical JSON: object keys sorted, insignificant
-//! whitespace dropped, so `{"a":1, "b":2}` and `{"b":2,"a":1}` match. Other
-//! bodies are hashed as raw bytes. A body labelled JSON that does not parse is
-//! refused with `400` before anything is stored.
+//! `+json` media type) as canonical JSON, so that two bodies match exactly
+//! when they hold the same JSON value:
+//!
+//! - whitespace between tokens is dropped and object members are sorted by
+//!   the UTF-8 bytes of their names, so `{"a":1, "b":2}` and
+//!   `{"b":2,"a":1}` match;
+//! - strings are compared after decoding escapes: `"\u0041\/"` and `"A/"`
+//!   match;
+//! - numbers are compared as exact decimal values, never through a binary
+//!   float: `1`, `1.0`, `1e0`, `10e-1`, `100e-2` and `0.1e1` match, and so
+//!   do `-0`, `0`, `0.0` and `0e5`; but `0.1` and `0.10000000000000001`
+//!   differ, as do `18446744073709551616` and `18446744073709551617`, or
+//!   `1234567890123456.78` and `1234567890123456.79`;
+//! - array order is meaning: `[1,2]` and `[2,1]` differ.
+//!
+//! What is hashed is the body rewritten in one fixed form, itself JSON: no
+//! whitespace; members in order; strings with only `"`, `\` and control
+//! characters escaped; each number as its significant digits and a power of
+//! ten (`1.50` is written `15e-1`, `100` is `1e2`, zero is `0`).
+//!
+//! A body labelled JSON is refused with `400` (a problem of type
+//! [`ProblemKind::InvalidBody`](crate::ProblemKind::InvalidBody)) before
+//! anything is stored when it is not an I-JSON text (RFC 7493):
+//!
+//! - it is not exactly one JSON value (RFC 8259), is not valid UTF-8,
+//!   starts with a byte order mark, or escapes an unpaired surrogate
+//!   (`"\ud800"`);
+//! - an object has the same name twice, also when spelled differently
+//!   (`{"a":1,"\u0061":2}`): parsers disagree on which of the two counts,
+//!   so the handler could act on a value other than the one fingerprinted;
+//! - arrays and objects nest deeper than 128 levels;
+//! - a number's exponent, once the decimal point is moved behind its last
+//!   significant digit, is outside the range of an `i64` (as in
+//!   `1e9223372036854775808`); no real payload comes near.
+//!
+//! Bodies of other content types are hashed as raw bytes.
+
+mod canonical;
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use http::request::Parts;
 use serde::{Serialize, de::DeserializeOwned};
-use serde_json::Value;
 use sha2::{Digest, Sha256};
+
+/// Canonical JSON of a payload (a request body, or any other JSON to
+/// fingerprint); the error reads like a refused request body.
+pub(crate) use canonical::canonical_json;
 
 /// A SHA-256 request fingerprint.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -91,8 +130,33 @@ impl std::fmt::Debug for Normalizer {
 }
 
 impl Normalizer {
-    /// JSON bodies as canonical JSON (sorted keys, no whitespace); any other
-    /// content type as raw bytes. Invalid JSON is refused.
+    /// JSON bodies (`application/json` and any `+json` media type) as
+    /// canonical JSON; any other content type as raw bytes.
+    ///
+    /// Two JSON bodies match when they hold the same value: member order,
+    /// whitespace and string escapes do not count (`{"a":"\u0041", "b":2}`
+    /// matches `{"b":2,"a":"A"}`), and numbers are compared as exact
+    /// decimals, never through a float: `1`, `1.0`, `1e0`, `10e-1` and
+    /// `0.1e1` match, and so do `-0`, `0.0` and `0e5`; `0.1` does not match
+    /// `0.10000000000000001`, nor `18446744073709551616`
+    /// `18446744073709551617`. Array order counts. What is hashed is the
+    /// value written in one fixed JSON form: members sorted by the UTF-8
+    /// bytes of their names, no whitespace, each number as its significant
+    /// digits and a power of ten (`1.50` as `15e-1`, zero as `0`).
+    ///
+    /// A JSON body is refused with `400` (problem type
+    /// [`ProblemKind::InvalidBody`](crate::ProblemKind::InvalidBody)) when
+    /// it is not an I-JSON text (RFC 7493):
+    ///
+    /// - not exactly one JSON value (RFC 8259), not valid UTF-8, a leading
+    ///   byte order mark, or an escaped unpaired surrogate (`"\ud800"`);
+    /// - an object that **repeats a name**, also when spelled differently
+    ///   (`{"a":1,"\u0061":2}`): parsers disagree on which one counts, so
+    ///   the handler could act on another value than the one fingerprinted;
+    /// - arrays and objects nested deeper than 128 levels;
+    /// - a number whose exponent, with the decimal point moved behind its
+    ///   last significant digit, does not fit in an `i64`
+    ///   (`1e9223372036854775808`).
     pub fn canonical_json() -> Self {
         Self(Inner::CanonicalJson)
     }
@@ -100,19 +164,28 @@ impl Normalizer {
     /// Deserializes the body into `T` (so `#[serde(default)]` fields are
     /// filled), serializes it back and hashes that canonically: a body that
     /// omits an optional field and one that sends its default value match.
-    /// A body that does not deserialize into `T` is refused with `400`.
+    /// A body that does not deserialize into `T` is refused with `400`, and
+    /// so is one that [`canonical_json`](Self::canonical_json) refuses, such
+    /// as an object with a repeated name (which serde would settle silently).
     pub fn typed<T>() -> Self
     where
         T: DeserializeOwned + Serialize + 'static,
     {
         Self::custom(|_, body| {
+            // The raw body first: serde keeps one of two repeated names
+            // without a word, and the handler may pick the other.
+            canonical_json(body)?;
             let typed: T = serde_json::from_slice(body).map_err(|e| {
                 FingerprintError::new(format!("the request body is not valid: {e}"))
             })?;
-            let value = serde_json::to_value(&typed).map_err(|e| {
+            let bytes = serde_json::to_vec(&typed).map_err(|e| {
                 FingerprintError::new(format!("the request body is not valid: {e}"))
             })?;
-            Ok(canonical(&value))
+            canonical::canonicalize(&bytes).map_err(|e| {
+                FingerprintError::new(format!(
+                    "the request body is not valid: its typed form is not JSON: {e}"
+                ))
+            })
         })
     }
 
@@ -125,14 +198,21 @@ impl Normalizer {
         Self(Inner::Custom(Arc::new(f)))
     }
 
-    /// Computes the fingerprint of a buffered request.
+    /// Computes the fingerprint of a buffered request. The path is hashed
+    /// in its RFC 3986 normal form (unreserved escapes decoded, other
+    /// escapes upper-cased, dot segments removed), so spellings of one path
+    /// are one request; the query is hashed as sent.
     pub fn fingerprint(
         &self,
         parts: &Parts,
         body: &Bytes,
     ) -> Result<Fingerprint, FingerprintError> {
         let mut h = Sha256::new();
-        let target = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+        let mut target = crate::path::normalize(parts.uri.path());
+        if let Some(query) = parts.uri.query() {
+            target.push('?');
+            target.push_str(query);
+        }
         // Method and target are length-prefixed; the body comes last, so no
         // two different requests hash alike.
         for part in [parts.method.as_str().as_bytes(), target.as_bytes()] {
@@ -140,32 +220,11 @@ impl Normalizer {
             h.update(part);
         }
         match &self.0 {
-            Inner::CanonicalJson if is_json(parts) => {
-                let value: Value = serde_json::from_slice(body).map_err(|e| {
-                    FingerprintError::new(format!("the request body is not valid JSON: {e}"))
-                })?;
-                // Writing into the hash cannot fail.
-                let _ = write_canonical(&value, &mut HashWriter(&mut h));
-            }
+            Inner::CanonicalJson if is_json(parts) => h.update(canonical_json(body)?),
             Inner::CanonicalJson => h.update(body),
             Inner::Custom(f) => h.update(f(parts, body)?),
         }
         Ok(Fingerprint(h.finalize().into()))
-    }
-}
-
-/// Feeds written bytes straight into the hash, so the canonical form is
-/// never materialized.
-struct HashWriter<'a>(&'a mut Sha256);
-
-impl std::io::Write for HashWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.update(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
     }
 }
 
@@ -181,46 +240,6 @@ fn is_json(parts: &Parts) -> bool {
         .trim()
         .to_ascii_lowercase();
     essence == "application/json" || essence.ends_with("+json")
-}
-
-/// Canonical JSON: object keys sorted by their UTF-8 bytes, no whitespace.
-/// Sorting is done here, not left to `serde_json::Map`, whose order depends
-/// on whether some crate in the build enabled `preserve_order`.
-pub(crate) fn canonical(value: &Value) -> Vec<u8> {
-    let mut out = Vec::with_capacity(128);
-    // Writing into a Vec cannot fail.
-    let _ = write_canonical(value, &mut out);
-    out
-}
-
-fn write_canonical(value: &Value, out: &mut impl std::io::Write) -> std::io::Result<()> {
-    match value {
-        Value::Object(map) => {
-            let mut entries: Vec<_> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            out.write_all(b"{")?;
-            for (i, (k, v)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.write_all(b",")?;
-                }
-                serde_json::to_writer(&mut *out, k.as_str())?;
-                out.write_all(b":")?;
-                write_canonical(v, out)?;
-            }
-            out.write_all(b"}")
-        }
-        Value::Array(items) => {
-            out.write_all(b"[")?;
-            for (i, v) in items.iter().enumerate() {
-                if i > 0 {
-                    out.write_all(b",")?;
-                }
-                write_canonical(v, out)?;
-            }
-            out.write_all(b"]")
-        }
-        scalar => Ok(serde_json::to_writer(&mut *out, scalar)?),
-    }
 }
 
 #[cfg(test)]
@@ -244,6 +263,10 @@ mod tests {
     }
 
     const JSON: Option<&str> = Some("application/json");
+
+    fn body_fp(body: &str) -> Result<Fingerprint, FingerprintError> {
+        fp(&Normalizer::default(), Method::POST, "/o", JSON, body)
+    }
 
     #[test]
     fn key_order_and_whitespace_are_ignored() {
@@ -325,12 +348,77 @@ mod tests {
 
     #[test]
     fn canonical_form_is_stable() {
-        let v: Value =
-            serde_json::from_str(r#"{"b":[true,null,1.5,"x\"y"],"a":{"d":1,"c":2}}"#).unwrap();
+        let body = br#"{"b":[true,null,1.5,"x\"y"],"a":{"d":1,"c":2}}"#;
         assert_eq!(
-            String::from_utf8(canonical(&v)).unwrap(),
-            r#"{"a":{"c":2,"d":1},"b":[true,null,1.5,"x\"y"]}"#
+            String::from_utf8(canonical_json(body).unwrap()).unwrap(),
+            r#"{"a":{"c":2e0,"d":1e0},"b":[true,null,15e-1,"x\"y"]}"#
         );
+    }
+
+    #[test]
+    fn errors_become_client_messages() {
+        assert_eq!(
+            body_fp(r#"{"a":1,"\u0061":2}"#).unwrap_err().to_string(),
+            r#"the request body is not valid JSON: duplicate object name "a" at byte 7"#
+        );
+    }
+
+    #[test]
+    fn typed_normalizer_compares_numbers_exactly() {
+        let n = Normalizer::typed::<serde_json::Value>();
+        let a = fp(&n, Method::POST, "/o", JSON, r#"{"n":1.50}"#).unwrap();
+        let b = fp(&n, Method::POST, "/o", JSON, r#"{"n":15e-1}"#).unwrap();
+        let c = fp(&n, Method::POST, "/o", JSON, r#"{"n":1.51}"#).unwrap();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn numbers_are_compared_exactly() {
+        for (a, b) in [
+            ("1234567890123456.78", "1234567890123456.79"),
+            ("18446744073709551616", "18446744073709551617"),
+            ("0.1", "0.10000000000000001"),
+        ] {
+            let fa = body_fp(&format!("{{\"n\":{a}}}")).unwrap();
+            let fb = body_fp(&format!("{{\"n\":{b}}}")).unwrap();
+            assert_ne!(fa, fb, "{a} and {b} must not match");
+        }
+    }
+
+    #[test]
+    fn equal_decimal_values_match() {
+        let one = body_fp(r#"{"n":1}"#).unwrap();
+        for s in ["1.0", "1e0", "10e-1", "100e-2", "0.1e1", "1E+0", "1.000"] {
+            assert_eq!(one, body_fp(&format!("{{\"n\":{s}}}")).unwrap(), "{s}");
+        }
+        let zero = body_fp(r#"{"n":0}"#).unwrap();
+        for s in ["-0", "0.0", "0e5", "-0.000e-7"] {
+            assert_eq!(zero, body_fp(&format!("{{\"n\":{s}}}")).unwrap(), "{s}");
+        }
+    }
+
+    #[test]
+    fn duplicate_names_are_refused() {
+        for body in [
+            r#"{"a":1,"a":2}"#,
+            r#"{"a":1,"\u0061":2}"#,
+            r#"{"x":{"b":1,"a":2,"b":1}}"#,
+        ] {
+            let err = body_fp(body).unwrap_err();
+            assert!(err.to_string().contains("duplicate"), "{body}: {err}");
+        }
+    }
+
+    #[test]
+    fn typed_normalizer_refuses_duplicate_names() {
+        // A map type takes one of the duplicates silently under serde.
+        let n = Normalizer::typed::<std::collections::BTreeMap<String, u64>>();
+        let err = fp(&n, Method::POST, "/o", JSON, r#"{"amount":1,"amount":2}"#).unwrap_err();
+        assert!(err.to_string().contains("duplicate"), "{err}");
+        let n = Normalizer::typed::<serde_json::Value>();
+        let err = fp(&n, Method::POST, "/o", JSON, r#"{"a":1,"\u0061":2}"#).unwrap_err();
+        assert!(err.to_string().contains("duplicate"), "{err}");
     }
 
     #[test]

@@ -1,0 +1,274 @@
+//! The caller's environment (hardening 8 and 9): the claim never changes a
+//! session setting of a pooled connection (on the won, lost, error and
+//! cancelled paths), the handler sees the session's own settings, and the
+//! claimed transaction runs at the isolation level the layer was given.
+//! One connection per pool, so every check reads the connection the layer
+//! used.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use sqlx::Pool;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency::testkit::{Cleanup, ConformanceDb};
+use tower_idempotency::{IdempotencyBody, IdempotencyLayer, IsolationLevel, Principal, Tx};
+
+fn request(key: &str) -> Request<String> {
+    let mut req = Request::post("/x")
+        .header("idempotency-key", key)
+        .body(String::new())
+        .unwrap();
+    req.extensions_mut().insert(Principal::new("p"));
+    req
+}
+
+/// Runs one request through a layer whose handler answers with `probe`'s
+/// single text value, read on the claimed transaction.
+macro_rules! call {
+    ($db:ty, $layer:expr, $key:expr, $probe:expr) => {{
+        let probe: &'static str = $probe;
+        let layer = $layer;
+        let handler = move |req: Request<IdempotencyBody<String>>| async move {
+            let tx = req.extensions().get::<Tx<$db>>().cloned().unwrap();
+            let mut conn = tx.lock().unwrap();
+            let value: String = sqlx::query_scalar(probe)
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+            Ok::<_, Infallible>(Response::builder().status(201).body(value).unwrap())
+        };
+        async move {
+            let res = ServiceBuilder::new()
+                .layer(layer)
+                .service_fn(handler)
+                .oneshot(request($key))
+                .await
+                .unwrap();
+            let status = res.status();
+            let body = res.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8_lossy(&body).into_owned())
+        }
+    }};
+}
+
+/// A pool of one connection, set up by `setup` when it connects.
+macro_rules! one_connection_pool {
+    ($db:ty, $url:expr, $setup:expr) => {{
+        let setup: &'static str = $setup;
+        sqlx::pool::PoolOptions::<$db>::new()
+            .max_connections(1)
+            .after_connect(move |conn, _| {
+                Box::pin(async move { sqlx::raw_sql(setup).execute(conn).await.map(drop) })
+            })
+            .connect($url)
+            .await
+            .unwrap()
+    }};
+}
+
+/// Every path the claim can take, then the pooled connection's setting.
+macro_rules! settings_survive_every_path {
+    ($db:ty, $setup:expr, $probe:expr, $expected:expr) => {{
+        let probe: &'static str = $probe;
+        let expected: &str = $expected;
+        let (url, _drop): (String, Cleanup) = <$db as ConformanceDb>::fresh_url().await;
+        let pool: Pool<$db> = one_connection_pool!($db, &url, $setup);
+        tower_idempotency::migrate(&pool).await.unwrap();
+        let layer = || {
+            IdempotencyLayer::new(pool.clone())
+                .unscoped()
+                .with_in_flight_wait(Duration::from_millis(1500))
+                .unwrap()
+        };
+        let session = || async {
+            sqlx::query_scalar::<_, String>(probe)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        };
+
+        // Won: the handler sees the session's own value.
+        let (status, seen) = call!($db, layer(), "won", probe).await;
+        assert_eq!(status, StatusCode::CREATED);
+        assert_eq!(seen, expected, "the handler's lock wait is the session's");
+        assert_eq!(session().await, expected, "after a won claim");
+        // Lost: a replay.
+        let (status, _) = call!($db, layer(), "won", probe).await;
+        assert_eq!(status, StatusCode::CREATED);
+        assert_eq!(session().await, expected, "after a lost claim");
+        // Error: the key is held by a stuck claim on another pool; the
+        // claim times out on its lock.
+        let other = sqlx::pool::PoolOptions::<$db>::new()
+            .max_connections(1)
+            .connect(&url)
+            .await
+            .unwrap();
+        let stuck = <$db as ConformanceDb>::hold_claim(&other, "", "POST /x", "stuck").await;
+        let (status, _) = call!($db, layer(), "stuck", probe).await;
+        assert_eq!(status, StatusCode::CONFLICT);
+        assert_eq!(session().await, expected, "after a lock timeout");
+        // Cancelled mid-claim: the client goes away while the claim waits.
+        let cut = tokio::time::timeout(
+            Duration::from_millis(20),
+            call!($db, layer(), "stuck", probe),
+        )
+        .await;
+        assert!(cut.is_err());
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(session().await, expected, "after a cancelled claim");
+        stuck.rollback().await.unwrap();
+        let (status, seen) = call!($db, layer(), "stuck", probe).await;
+        assert_eq!(status, StatusCode::CREATED);
+        assert_eq!(seen, expected);
+        assert_eq!(session().await, expected, "at the end");
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_lock_timeout_is_the_sessions_on_every_path() {
+    settings_survive_every_path!(
+        sqlx::Postgres,
+        "SET lock_timeout = '3s'",
+        "SELECT current_setting('lock_timeout')",
+        "3s"
+    );
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_lock_wait_is_the_sessions_on_every_path() {
+    settings_survive_every_path!(
+        sqlx::MySql,
+        "SET SESSION innodb_lock_wait_timeout = 7",
+        "SELECT CAST(@@SESSION.innodb_lock_wait_timeout AS CHAR)",
+        "7"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_runs_the_claimed_transaction_at_the_chosen_level() {
+    let (url, _drop) = <sqlx::Postgres as ConformanceDb>::fresh_url().await;
+    let pool: Pool<sqlx::Postgres> = one_connection_pool!(sqlx::Postgres, &url, "SELECT 1");
+    tower_idempotency::migrate(&pool).await.unwrap();
+    let probe = "SELECT current_setting('transaction_isolation')";
+    let layer = IdempotencyLayer::new(pool.clone()).unscoped();
+    assert_eq!(
+        call!(sqlx::Postgres, layer.clone(), "a", probe).await.1,
+        "read committed"
+    );
+    for (level, name) in [
+        (IsolationLevel::RepeatableRead, "repeatable read"),
+        (IsolationLevel::Serializable, "serializable"),
+    ] {
+        let key = name.replace(' ', "-");
+        let (status, seen) = call!(
+            sqlx::Postgres,
+            layer.clone().with_isolation_level(level),
+            &key,
+            probe
+        )
+        .await;
+        assert_eq!(status, StatusCode::CREATED);
+        assert_eq!(seen, name);
+    }
+    // The session's own default is untouched.
+    let session: String = sqlx::query_scalar(probe).fetch_one(&pool).await.unwrap();
+    assert_eq!(session, "read committed");
+}
+
+/// Write skew under SERIALIZABLE: two doctors each go off call if another
+/// is still on call. Both write before either commits, so one transaction
+/// must fail when it records or commits; the layer answers it `503`
+/// transaction-conflict with `Retry-After`, and nothing of it is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_serialization_failure_at_commit_is_a_retryable_503() {
+    let (url, _drop) = <sqlx::Postgres as ConformanceDb>::fresh_url().await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    tower_idempotency::migrate(&pool).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE doctors (id INT PRIMARY KEY, on_call BOOL NOT NULL);
+         INSERT INTO doctors VALUES (1, true), (2, true);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let layer = IdempotencyLayer::new(pool.clone())
+        .unscoped()
+        .with_isolation_level(IsolationLevel::Serializable);
+    let both_wrote = std::sync::Arc::new(tokio::sync::Barrier::new(2));
+    let handler = move |req: Request<IdempotencyBody<String>>| {
+        let both_wrote = std::sync::Arc::clone(&both_wrote);
+        async move {
+            let me: i32 = req.uri().path().trim_start_matches('/').parse().unwrap();
+            let tx = req
+                .extensions()
+                .get::<Tx<sqlx::Postgres>>()
+                .cloned()
+                .unwrap();
+            let mut conn = tx.lock().unwrap();
+            let on_call: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM doctors WHERE on_call")
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            if on_call < 2 {
+                return Ok::<_, Infallible>(
+                    Response::builder().status(409).body(String::new()).unwrap(),
+                );
+            }
+            sqlx::query("UPDATE doctors SET on_call = false WHERE id = $1")
+                .bind(me)
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            drop(conn);
+            both_wrote.wait().await;
+            Ok(Response::builder()
+                .status(201)
+                .body(format!("{me} off call"))
+                .unwrap())
+        }
+    };
+    let service = ServiceBuilder::new().layer(layer).service_fn(handler);
+    let go = |me: i32| {
+        let service = service.clone();
+        async move {
+            let mut req = Request::post(format!("/{me}"))
+                .header("idempotency-key", format!("off-{me}"))
+                .body(String::new())
+                .unwrap();
+            req.extensions_mut().insert(Principal::new("p"));
+            service.oneshot(req).await.unwrap()
+        }
+    };
+    let (a, b) = tokio::join!(go(1), go(2));
+    let mut statuses = [a.status(), b.status()];
+    statuses.sort();
+    assert_eq!(
+        statuses,
+        [StatusCode::CREATED, StatusCode::SERVICE_UNAVAILABLE]
+    );
+    let failed = if a.status() == StatusCode::SERVICE_UNAVAILABLE {
+        a
+    } else {
+        b
+    };
+    assert!(failed.headers().contains_key("retry-after"));
+    let body = failed.into_body().collect().await.unwrap().to_bytes();
+    assert!(
+        String::from_utf8_lossy(&body).contains("#transaction-conflict"),
+        "{body:?}"
+    );
+    let off: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM doctors WHERE NOT on_call")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(off, 1, "exactly one doctor went off call");
+    let ledger: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ledger, 1, "the conflicting request left no record");
+}
