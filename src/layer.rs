@@ -205,8 +205,17 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     }
 
     /// Names the operation explicitly, so renaming a route never changes the
-    /// scope. The default is the method and route template, such as
-    /// `POST /orders`.
+    /// scope. The default is the method and the route:
+    ///
+    /// - with the layer on an axum route or router (`Router::layer`,
+    ///   `MethodRouter::layer`; feature `axum`), the route template, such as
+    ///   `POST /orders/{id}/pay`: one operation for every order, told apart
+    ///   by the fingerprint, which hashes the (normalized) path;
+    /// - with the layer outside the router (`ServiceBuilder` around it, or
+    ///   plain hyper), the request path normalized per RFC 3986 §6.2.2
+    ///   (unreserved escapes decoded, other escapes upper-cased, dot segments
+    ///   removed), so `/orders/abc/pay` and `/orders/%61bc/pay` are one
+    ///   operation.
     #[must_use]
     pub fn with_operation(mut self, name: impl Into<String>) -> Self {
         self.config.operation = Some(Arc::from(name.into()));
@@ -385,5 +394,38 @@ impl<S, DB: Backend> Layer<S> for IdempotencyLayer<DB> {
 
     fn layer(&self, inner: S) -> Self::Service {
         Idempotency::new(inner, self.pool.clone(), Arc::new(self.config.clone()))
+    }
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use super::*;
+
+    fn layer() -> IdempotencyLayer<sqlx::Sqlite> {
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .max_connections(8)
+            .connect_lazy("sqlite::memory:")
+            .unwrap();
+        IdempotencyLayer::new(pool)
+    }
+
+    #[tokio::test]
+    async fn settings_that_cannot_work_are_refused() {
+        assert_eq!(
+            layer().with_retention(Duration::ZERO).unwrap_err(),
+            ConfigError::Zero("retention")
+        );
+        assert!(layer().with_retention(Duration::from_millis(1)).is_ok());
+        assert!(layer().with_in_flight_wait(Duration::ZERO).is_err());
+        assert!(layer().with_max_waiting(0).is_err());
+        assert!(layer().with_claim_retries(0, Duration::from_secs(1)).is_err());
+        assert!(layer().with_claim_retries(1, Duration::ZERO).is_err());
+        assert!(layer().with_max_request_body(0).is_err());
+        assert!(layer().with_mismatch_status(StatusCode::OK).is_err());
+        // The defaults: a quarter of the pool may wait, and the body's
+        // representation headers are recorded.
+        let l = layer();
+        assert_eq!(l.config.max_waiting, 2);
+        assert!(l.config.recorded_headers.contains(&header::CONTENT_ENCODING));
     }
 }

@@ -95,10 +95,20 @@
 //! | … handler answers 5xx, fails, panics, or its future is dropped | the answer (or the error, or the panic) | nothing: a retry runs afresh |
 //! | same scope, same fingerprint, finished | stored status, headers and body, byte for byte, `Idempotent-Replayed: true` | nothing new |
 //! | same scope, different fingerprint | `422` problem (or `409`) | nothing new |
-//! | same scope, first still running | waits up to the in-flight wait, then replays; else `409` + `Retry-After` | nothing new |
-//! | key taken but its record unreadable | retries within attempts and deadline, then `409` + `Retry-After` | nothing new |
-//! | key past its retention, or a tombstone | `410` problem naming the resource | nothing new, never a new execution |
+//! | same scope, first still running | waits up to the in-flight wait (one budget, see below), then replays; else `409` + `Retry-After` | nothing new |
+//! | key taken but its record unreadable | retries within attempts and the same budget, then `409` + `Retry-After` | nothing new |
+//! | key past its retention (database clock), or a tombstone | `410` problem naming the resource | nothing new, never a new execution |
 //! | connection lost during `COMMIT` | the answer if the ledger shows the commit, else `503` + `Retry-After` | what committed |
+//! | store busy (SQLite's write lock, no pooled connection in time) | `503` + `Retry-After`, `#store-busy` | nothing |
+//! | serialization failure or deadlock when recording or committing | `503` + `Retry-After`, `#transaction-conflict` | nothing |
+//! | the handler ended the claimed transaction itself | `500`, `#transaction-ended`; every retry `503` `#reconciling` until an operator resolves the key ([`Reconciler`]) | what the handler committed |
+//!
+//! Request bodies are fingerprinted as exact canonical JSON: numbers are
+//! compared as decimal values from their text (`1`, `1.0` and `10e-1` are
+//! one value; `0.1` and `0.10000000000000001` are two), and a body with a
+//! duplicate object name is refused with `400`, as I-JSON (RFC 7493)
+//! requires, so the handler's parser and the fingerprint never disagree on
+//! what was asked. See [`Normalizer`].
 //!
 //! Every refusal is an RFC 9457 problem document; see [`problem`] for the
 //! `type` URIs. The layer never returns an error of its own: store failures
@@ -117,10 +127,48 @@
 //! `Retry-After` and has changed nothing.
 //!
 //! Duplicates that reach the same process meet before the database: the
-//! later ones wait (up to the in-flight wait) for the first to answer without
-//! holding a pooled connection, then read its stored answer, so a storm of
-//! retries cannot exhaust the pool. This is only a shortcut; the unique
-//! constraint still decides, across processes too.
+//! later ones wait for the first to answer without holding a pooled
+//! connection, then read its stored answer. This is only a shortcut; the
+//! unique constraint still decides, across processes too.
+//!
+//! A duplicate waits **at most the in-flight wait in all** (2 s by default,
+//! [`IdempotencyLayer::with_in_flight_wait`]): the wait in this process, the
+//! database lock waits of its claim attempts, the backoff between them and
+//! acquiring pooled connections all come out of that one budget. Requests
+//! that wait on another request's claim may hold only a bounded number of
+//! pooled connections at once ([`IdempotencyLayer::with_max_waiting`], a
+//! quarter of the pool by default); a duplicate that finds none free is
+//! answered `409` at once. So a storm of retries cannot exhaust the pool,
+//! and keys nobody contends always find a connection.
+//!
+//! # The caller's environment
+//!
+//! The claimed transaction runs at the [`IsolationLevel`] the layer is given
+//! (`READ COMMITTED` by default; [`IdempotencyLayer::with_isolation_level`]),
+//! set for that transaction only. The claim's bounded lock wait never
+//! changes a session setting: on PostgreSQL it is `SET LOCAL` and the
+//! session's own `lock_timeout` is put back before the handler runs; on
+//! MySQL/MariaDB it applies to the claim's insert alone. The claim runs as a
+//! task of its own, so a response future dropped mid-claim never returns a
+//! connection to the pool halfway through it. Under `REPEATABLE READ` or
+//! `SERIALIZABLE`, a claim that loses to a concurrent one with a
+//! serialization error is read back and replayed like any lost claim.
+//!
+//! # One clock
+//!
+//! Creation, expiry, the `410` decision and the [`Sweeper`] all use the
+//! **database's** clock, so application instances with skewed clocks agree
+//! on when a key expires. (SQLite's clock is the process's own.)
+//!
+//! # What the handler must not do
+//!
+//! The layer commits or rolls back; the handler never does. A handler that
+//! runs `COMMIT` or `ROLLBACK` on the [`Tx`], or DDL that commits implicitly
+//! (MySQL), is detected at no extra round trip (the claim's savepoint is
+//! gone when the layer records or rolls back): the request is answered
+//! `500` (`#transaction-ended`), the event is logged at error level, and
+//! the key answers `503` `#reconciling` (never "in flight", never a new
+//! execution) until an operator resolves it with a [`Reconciler`].
 //!
 //! # Cancellation and panics
 //!
@@ -144,8 +192,11 @@
 //!
 //! # What is not covered
 //!
-//! The guarantee covers what the handler writes through [`Tx`]. A call to
-//! another system (a payment provider, a message broker) is not rolled back
+//! The guarantee covers what the handler writes through [`Tx`]. The scope
+//! compares byte for byte on every store (no collation makes `alice` equal
+//! `alice ` or `Alice`), and the default operation is the route template
+//! (axum) or the RFC 3986-normalized path (see
+//! [`IdempotencyLayer::with_operation`]). A call to another system (a payment provider, a message broker) is not rolled back
 //! with the transaction: pass the idempotency key on to that system and treat
 //! an unconfirmed outcome as something to reconcile, not to repeat.
 

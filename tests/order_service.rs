@@ -127,6 +127,13 @@ impl<DB: TestDb> Service<DB> {
 }
 
 async fn spawn(url: &str, delay_ms: u64) -> (Child, String) {
+    spawn_with(url, delay_ms, &[]).await
+}
+
+/// libfaketime, from Debian's `faketime` package (`.ci/run` installs it).
+const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+
+async fn spawn_with(url: &str, delay_ms: u64, env: &[(&str, &str)]) -> (Child, String) {
     let mut child = Command::new(example_binary())
         .args([
             "--addr",
@@ -135,6 +142,7 @@ async fn spawn(url: &str, delay_ms: u64) -> (Child, String) {
             &delay_ms.to_string(),
         ])
         .env("DATABASE_URL", url)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -257,6 +265,8 @@ e2e!(
     expired_key_is_refused_without_a_new_order,
     orders_are_visible_to_their_owner_only,
     sigterm_lets_the_in_flight_order_finish,
+    instances_with_skewed_clocks_agree_on_expiry,
+    lost_database_connections_answer_503_never_500,
 );
 
 /// Acceptance 1 and 2.
@@ -511,4 +521,114 @@ async fn sigterm_lets_the_in_flight_order_finish<DB: TestDb>() {
     assert_eq!(s.orders().await, 1);
     assert_eq!(s.ledger().await, 1);
     assert_eq!(s.stock("A-10").await, 3);
+}
+
+/// Hardening 14: one clock. A second instance whose clock runs two days
+/// ahead (libfaketime) shares the database: it replays the first
+/// instance's answer instead of calling the key expired, and the rows it
+/// writes carry the database's time, not its own. SQLite has no clock but
+/// the process's, so the case is for the servers.
+async fn instances_with_skewed_clocks_agree_on_expiry<DB: TestDb>() {
+    if DB::LABEL == "sqlite" {
+        return;
+    }
+    assert!(
+        std::path::Path::new(FAKETIME).exists(),
+        "{FAKETIME} is missing: apt-get install faketime (.ci/run does)"
+    );
+    let s = Service::<DB>::start(0).await;
+    s.put_stock("A-10", 10).await;
+    let first = s.order("user-42", KEY, ORDER).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let ahead = [
+        ("LD_PRELOAD", FAKETIME),
+        ("FAKETIME", "+2d"),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+    ];
+    let (mut skewed, addr) = spawn_with(&s.url, 0, &ahead).await;
+    let call = |key: &'static str| http_call(&addr, Method::POST, "/orders", Some("user-42"), Some(key), ORDER);
+    // Give the skewed instance's sweeper (it sweeps at start) its chance.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let retry = call(KEY).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    // A key claimed by the skewed instance is dated by the database.
+    let fresh = call("\"skewed-instance-key\"").await;
+    assert_eq!(fresh.status, StatusCode::CREATED, "{fresh:?}");
+    let skew = s
+        .count(if DB::LABEL == "postgres" {
+            "SELECT ABS(created_at - (EXTRACT(EPOCH FROM now()) * 1000)::BIGINT) \
+             FROM idempotency_records WHERE idem_key = 'skewed-instance-key'"
+        } else {
+            "SELECT ABS(created_at - (TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)) \
+             FROM idempotency_records WHERE idem_key = 'skewed-instance-key'"
+        })
+        .await;
+    assert!(skew < 60_000, "created_at is {skew} ms off the database clock");
+    // And the first instance replays it.
+    let back = s.order("user-42", "\"skewed-instance-key\"", ORDER).await;
+    assert!(back.replayed(), "{back:?}");
+    assert_eq!(s.orders().await, 2);
+    skewed.start_kill().unwrap();
+    let _ = skewed.wait().await;
+}
+
+/// Hardening 15: connections to the database die under load. Every
+/// answer is a success or a retryable 503 (never 500), and each key that
+/// got a 201 is one committed order.
+async fn lost_database_connections_answer_503_never_500<DB: TestDb>() {
+    if DB::LABEL != "postgres" {
+        // Killing a server's sessions from outside: PostgreSQL shows it.
+        return;
+    }
+    let s = Service::<DB>::start(0).await;
+    s.put_stock("A-10", 1_000_000).await;
+    let killer = {
+        let pool = s.pool.clone();
+        tokio::spawn(async move {
+            for _ in 0..300 {
+                let _ = DB::exec_on(
+                    &mut *pool.acquire().await.unwrap(),
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                )
+                .await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    let orders: Vec<_> = (0..120)
+        .map(|i| {
+            let addr = s.addr.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(i * 12)).await;
+                let key = format!("\"load-{i}\"");
+                try_http_call(&addr, Method::POST, "/orders", Some("user-42"), Some(&key), ORDER).await
+            })
+        })
+        .collect();
+    let (mut created, mut unavailable, mut retry) = (0, 0, Vec::new());
+    for (i, o) in orders.into_iter().enumerate() {
+        let key = format!("\"load-{i}\"");
+        match o.await.unwrap() {
+            Ok(a) if a.status == StatusCode::CREATED => created += 1,
+            Ok(a) if a.status == StatusCode::SERVICE_UNAVAILABLE => {
+                assert!(a.headers.contains_key("retry-after"), "{a:?}");
+                unavailable += 1;
+                retry.push(key);
+            }
+            Ok(a) => panic!("{}: {a:?}", a.status),
+            Err(_) => retry.push(key),
+        }
+    }
+    killer.await.unwrap();
+    println!("lost connections under load: {created} created, {unavailable} answered 503");
+    assert!(unavailable > 0, "the killer hit no request");
+    // Each retry of a 503 runs once or replays: one order per key.
+    for key in &retry {
+        let a = s.order("user-42", key, ORDER).await;
+        assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
+    }
+    assert_eq!(s.orders().await, 120, "one order per key");
 }
