@@ -418,7 +418,11 @@ mod tests {
         assert!(layer().with_retention(Duration::from_millis(1)).is_ok());
         assert!(layer().with_in_flight_wait(Duration::ZERO).is_err());
         assert!(layer().with_max_waiting(0).is_err());
-        assert!(layer().with_claim_retries(0, Duration::from_secs(1)).is_err());
+        assert!(
+            layer()
+                .with_claim_retries(0, Duration::from_secs(1))
+                .is_err()
+        );
         assert!(layer().with_claim_retries(1, Duration::ZERO).is_err());
         assert!(layer().with_max_request_body(0).is_err());
         assert!(layer().with_mismatch_status(StatusCode::OK).is_err());
@@ -426,6 +430,10 @@ mod tests {
         // representation headers are recorded.
         let l = layer();
         assert_eq!(l.config.max_waiting, 2);
-        assert!(l.config.recorded_headers.contains(&header::CONTENT_ENCODING));
+        assert!(
+            l.config
+                .recorded_headers
+                .contains(&header::CONTENT_ENCODING)
+        );
     }
 }

@@ -192,9 +192,8 @@ type Answer = (Response<Bytes>, IdempotencyOutcome);
 
 /// The outcome of the claim stage.
 enum Claimed<DB: Backend> {
-    /// This request owns the scope (until the returned `expires_at`); the
-    /// transaction is past its savepoint.
-    Won(Transaction<'static, DB>, i64),
+    /// This request owns the scope; the transaction is past its savepoint.
+    Won(Transaction<'static, DB>),
     /// Answer without running the handler.
     Answer(Answer),
 }
@@ -321,10 +320,7 @@ impl<DB: Backend> Run<DB> {
         };
         observe::timing("claim_ms", claiming.elapsed());
         match claimed {
-            Claimed::Won(tx, expires_at) => {
-                self.execute(inner, &id, (tx, expires_at), parts, body)
-                    .await
-            }
+            Claimed::Won(tx) => self.execute(inner, &id, tx, parts, body).await,
             Claimed::Answer((res, outcome)) => Ok(buffered(res, outcome)),
         }
     }
@@ -339,8 +335,9 @@ impl<DB: Backend> Run<DB> {
         // first.
         let mut read_first = cfg.read_first || duplicate;
         // A request known to wait on another request's claim holds one of
-        // the layer's waiter permits while it holds a connection to wait.
-        let mut waiting = duplicate;
+        // the layer's waiter permits while it holds a connection to wait. (A
+        // duplicate whose local leader has answered waits on nobody.)
+        let mut waiting = false;
         let pending = loop {
             attempts += 1;
             if read_first {
@@ -351,8 +348,12 @@ impl<DB: Backend> Run<DB> {
                 }
             }
             read_first = true;
-            let pending = match self.try_claim(id, deadline, waiting, attempts).await {
-                Ok(Attempt::Won(tx, expires_at)) => return Claimed::Won(tx, expires_at),
+            let contended = waiting || duplicate;
+            let pending = match self
+                .try_claim(id, deadline, (waiting, contended), attempts)
+                .await
+            {
+                Ok(Attempt::Won(tx)) => return Claimed::Won(tx),
                 Ok(Attempt::NoPermit) => break Pending::InFlight,
                 // Lost to a committed row (or, above READ COMMITTED, to a
                 // concurrent claim): a fresh read explains it.
@@ -407,7 +408,7 @@ impl<DB: Backend> Run<DB> {
         &self,
         id: &Identity<'_>,
         deadline: Instant,
-        waiting: bool,
+        (waiting, contended): (bool, bool),
         attempts: u32,
     ) -> Result<Attempt<DB>, sqlx::Error> {
         let cfg = &self.config;
@@ -422,8 +423,9 @@ impl<DB: Backend> Run<DB> {
         let left = deadline.saturating_duration_since(Instant::now());
         let conn = match tokio::time::timeout(left, self.pool.acquire()).await {
             Ok(conn) => conn?,
-            // No connection within the wait budget.
-            Err(_) if waiting => return Ok(Attempt::NoPermit),
+            // No connection within what is left of the wait budget: for a
+            // request that met another one with its key, still in flight.
+            Err(_) if contended => return Ok(Attempt::NoPermit),
             Err(_) => return Err(sqlx::Error::PoolTimedOut),
         };
         // The rest of the budget, shared by the attempts still allowed; a
@@ -455,7 +457,7 @@ impl<DB: Backend> Run<DB> {
             Err(_) => return Err(sqlx::Error::WorkerCrashed),
         };
         match outcome {
-            Ok(ClaimOutcome::Won { tx, expires_at }) => Ok(Attempt::Won(tx, expires_at)),
+            Ok(ClaimOutcome::Won(tx)) => Ok(Attempt::Won(tx)),
             Ok(ClaimOutcome::Lost) => Ok(Attempt::Lost),
             Err(e) => match DB::error_kind(&e) {
                 StoreErrorKind::LockTimeout => Ok(Attempt::Blocked),
@@ -534,7 +536,7 @@ impl<DB: Backend> Run<DB> {
         &self,
         mut inner: S,
         id: &Identity<'_>,
-        (tx, expires_at): (Transaction<'static, DB>, i64),
+        tx: Transaction<'static, DB>,
         parts: Parts,
         body: Bytes,
     ) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
@@ -565,7 +567,7 @@ impl<DB: Backend> Run<DB> {
             }
             Ok(Ok(res)) => res,
         };
-        let Some(mut tx) = tx else {
+        let Some(tx) = tx else {
             // The handler still holds the transaction: it rolls back when the
             // handler lets go, and nothing may be recorded.
             let detail = "the handler kept the idempotency transaction after answering; nothing was committed";
@@ -621,10 +623,13 @@ impl<DB: Backend> Run<DB> {
             &self.config.recorded_headers,
             body,
         );
+        // An id the ledger's column cannot hold (over 255 bytes, or a NUL)
+        // is not recorded: the answer still is.
         let resource_id = res_parts
             .extensions
             .get::<ResourceId>()
-            .map(ResourceId::as_str);
+            .map(ResourceId::as_str)
+            .filter(|id| id.len() <= 255 && !id.contains('\0'));
         let completion = Completion {
             status,
             response_status: i32::from(stored.status),
@@ -632,30 +637,35 @@ impl<DB: Backend> Run<DB> {
             response_body: &stored.body,
             resource_id,
         };
-        if let Err(e) = DB::complete(&mut tx, &id.scope, &completion).await {
-            let _ = tx.rollback().await;
-            if DB::error_kind(&e) == StoreErrorKind::TransactionEnded {
-                self.strand(id, handler_status).await;
-                return Ok(transaction_ended());
-            }
-            return Ok(refuse(store_problem::<DB>(&e), 1));
-        }
-        let respond = |body: Bytes| {
+        let committing = Instant::now();
+        let finished = DB::finish(tx, &id.scope, &completion).await;
+        observe::timing("commit_ms", committing.elapsed());
+        let respond = |body: Bytes, expires_at: Option<i64>| {
             let mut res = Response::from_parts(res_parts, body);
-            add_expiry(res.headers_mut(), expires_at);
+            if let Some(expires_at) = expires_at {
+                add_expiry(res.headers_mut(), expires_at);
+            }
             Ok(buffered(res, outcome))
         };
-        let committing = Instant::now();
-        let committed = tx.commit().await;
-        observe::timing("commit_ms", committing.elapsed());
-        match committed {
-            Ok(()) => respond(stored.body),
+        match finished {
+            Ok(expires_at) => respond(stored.body, Some(expires_at)),
             Err(e) => match DB::error_kind(&e) {
+                StoreErrorKind::TransactionEnded => {
+                    self.strand(id, handler_status).await;
+                    Ok(transaction_ended())
+                }
                 StoreErrorKind::ConnectionLost => {
                     // The commit may or may not have landed: ask the ledger.
                     let deadline = Instant::now() + MIN_READ_WAIT;
                     match self.lookup(id, deadline).await {
-                        Ok(Some((_, IdempotencyOutcome::Replayed))) => respond(stored.body),
+                        Ok(Some((replay, IdempotencyOutcome::Replayed))) => {
+                            let expires_at = replay.headers().get(IDEMPOTENCY_KEY_EXPIRES).cloned();
+                            let mut res = respond(stored.body, None);
+                            if let (Ok(res), Some(value)) = (&mut res, expires_at) {
+                                res.headers_mut().insert(IDEMPOTENCY_KEY_EXPIRES, value);
+                            }
+                            res
+                        }
                         _ => {
                             let detail = "the connection was lost while committing and the ledger shows no commit; retry with the same key";
                             let problem =
@@ -694,11 +704,21 @@ impl<DB: Backend> Run<DB> {
     }
 
     /// The handler ended the claimed transaction itself: whatever it
-    /// committed stays, with the `PROCESSING` row. Mark the key so that it
-    /// answers "outcome unknown" (it would anyway, from the committed
-    /// `PROCESSING` row, if marking fails) until an operator resolves it.
+    /// committed stays (with the `PROCESSING` row, after a `COMMIT`; without
+    /// it, after a `ROLLBACK` followed by more writes). Hold the key so that
+    /// it answers "outcome unknown" until an operator resolves it: the
+    /// committed row is marked, a missing one inserted. Between the
+    /// handler's own `ROLLBACK` and this, the key was unprotected: a
+    /// handler must never end the layer's transaction.
     async fn strand(&self, id: &Identity<'_>, handler_status: i32) {
-        let marked = DB::mark_unresolved(&self.pool, &id.scope, handler_status).await;
+        let claim = Claim {
+            scope: id.scope,
+            fingerprint: id.fingerprint.as_bytes(),
+            retention_ms: millis(self.config.retention),
+            lock_wait: Duration::ZERO,
+            isolation: self.config.isolation,
+        };
+        let marked = DB::mark_unresolved(&self.pool, &claim, handler_status).await;
         tracing::error!(
             handler_status,
             marked = marked.is_ok(),
@@ -710,7 +730,7 @@ impl<DB: Backend> Run<DB> {
 
 /// What one claim attempt found.
 enum Attempt<DB: Backend> {
-    Won(Transaction<'static, DB>, i64),
+    Won(Transaction<'static, DB>),
     /// A committed row holds the scope.
     Lost,
     /// Another claimer's uncommitted row held the scope past the lock wait.

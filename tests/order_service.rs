@@ -546,7 +546,16 @@ async fn instances_with_skewed_clocks_agree_on_expiry<DB: TestDb>() {
         ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
     ];
     let (mut skewed, addr) = spawn_with(&s.url, 0, &ahead).await;
-    let call = |key: &'static str| http_call(&addr, Method::POST, "/orders", Some("user-42"), Some(key), ORDER);
+    let call = |key: &'static str| {
+        http_call(
+            &addr,
+            Method::POST,
+            "/orders",
+            Some("user-42"),
+            Some(key),
+            ORDER,
+        )
+    };
     // Give the skewed instance's sweeper (it sweeps at start) its chance.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let retry = call(KEY).await;
@@ -565,7 +574,10 @@ async fn instances_with_skewed_clocks_agree_on_expiry<DB: TestDb>() {
              FROM idempotency_records WHERE idem_key = 'skewed-instance-key'"
         })
         .await;
-    assert!(skew < 60_000, "created_at is {skew} ms off the database clock");
+    assert!(
+        skew < 60_000,
+        "created_at is {skew} ms off the database clock"
+    );
     // And the first instance replays it.
     let back = s.order("user-42", "\"skewed-instance-key\"", ORDER).await;
     assert!(back.replayed(), "{back:?}");
@@ -604,7 +616,15 @@ async fn lost_database_connections_answer_503_never_500<DB: TestDb>() {
             tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(i * 12)).await;
                 let key = format!("\"load-{i}\"");
-                try_http_call(&addr, Method::POST, "/orders", Some("user-42"), Some(&key), ORDER).await
+                try_http_call(
+                    &addr,
+                    Method::POST,
+                    "/orders",
+                    Some("user-42"),
+                    Some(&key),
+                    ORDER,
+                )
+                .await
             })
         })
         .collect();

@@ -8,6 +8,8 @@ ALTER TABLE idempotency_records
     MODIFY idem_key     VARBINARY(255) NOT NULL;
 -- The NEEDS_RECONCILIATION status (20 characters).
 ALTER TABLE idempotency_records MODIFY status VARCHAR(32) CHARACTER SET ascii NOT NULL;
-ALTER TABLE idempotency_records DROP CONSTRAINT IF EXISTS idempotency_records_status;
-ALTER TABLE idempotency_records ADD CONSTRAINT idempotency_records_status
-    CHECK (status IN ('PROCESSING', 'SUCCEEDED', 'FAILED_FINAL', 'EXPIRED', 'NEEDS_RECONCILIATION'));
+-- One statement, so it applies whole or not at all.
+ALTER TABLE idempotency_records
+    DROP CONSTRAINT idempotency_records_status,
+    ADD CONSTRAINT idempotency_records_status
+        CHECK (status IN ('PROCESSING', 'SUCCEEDED', 'FAILED_FINAL', 'EXPIRED', 'NEEDS_RECONCILIATION'));

@@ -246,14 +246,8 @@ pub enum StoreErrorKind {
 /// What a claim attempt found.
 #[derive(Debug)]
 pub enum ClaimOutcome<DB: Database> {
-    /// This transaction owns the scope, past the savepoint; the key is
-    /// honoured until `expires_at` (epoch milliseconds, database clock).
-    Won {
-        /// The claimed transaction.
-        tx: Transaction<'static, DB>,
-        /// End of retention.
-        expires_at: i64,
-    },
+    /// This transaction owns the scope, past the savepoint.
+    Won(Transaction<'static, DB>),
     /// A committed row already holds the scope; nothing is left open.
     Lost,
 }
@@ -282,14 +276,18 @@ pub trait Backend: Database {
     ) -> impl Future<Output = Result<ClaimOutcome<Self>, sqlx::Error>> + Send;
 
     /// Writes the terminal state on the claimed row (for `FailedFinal`,
-    /// after rolling back to the claim's savepoint), checking that the
-    /// claimed transaction is still open: an error of kind
-    /// [`StoreErrorKind::TransactionEnded`] when the savepoint is gone.
-    fn complete(
-        conn: &mut Self::Connection,
+    /// after rolling back to the claim's savepoint) and commits, checking
+    /// first that the claimed transaction is still open (an error of kind
+    /// [`StoreErrorKind::TransactionEnded`] when the savepoint is gone).
+    /// Returns the key's `expires_at` (epoch milliseconds, database clock).
+    /// On an error nothing of the transaction is committed, except when the
+    /// connection was lost ([`StoreErrorKind::ConnectionLost`]): then the
+    /// commit's outcome is unknown. The transaction is rolled back on error.
+    fn finish(
+        tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         completion: &Completion<'_>,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
 
     /// Rolls back to the claim's savepoint before the transaction is
     /// abandoned: an error of kind [`StoreErrorKind::TransactionEnded`]
@@ -304,12 +302,14 @@ pub trait Backend: Database {
         scope: &Scope<'_>,
     ) -> impl Future<Output = Result<Option<Record>, sqlx::Error>> + Send;
 
-    /// Marks a committed `PROCESSING` row of `scope` as
-    /// `NEEDS_RECONCILIATION`, noting the handler's status. Returns the rows
-    /// changed.
+    /// Holds `scope` as `NEEDS_RECONCILIATION`, noting the handler's status:
+    /// a committed `PROCESSING` row is marked, and a missing row (the
+    /// handler rolled the claim back, then kept writing) is inserted with
+    /// `claim`'s fingerprint and retention, so the key can never run again
+    /// on its own. A terminal row is left alone. Returns the rows changed.
     fn mark_unresolved(
         pool: &Pool<Self>,
-        scope: &Scope<'_>,
+        claim: &Claim<'_>,
         response_status: i32,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
@@ -491,14 +491,16 @@ macro_rules! shared_statements {
 
         async fn mark_unresolved(
             pool: &sqlx::Pool<$db>,
-            scope: &$crate::store::Scope<'_>,
+            claim: &$crate::store::Claim<'_>,
             response_status: i32,
         ) -> Result<u64, sqlx::Error> {
             let done = sqlx::query($mark)
+                .bind(claim.scope.principal)
+                .bind(claim.scope.operation)
+                .bind(claim.scope.key)
+                .bind(claim.fingerprint)
                 .bind(response_status)
-                .bind(scope.principal)
-                .bind(scope.operation)
-                .bind(scope.key)
+                .bind(claim.retention_ms)
                 .execute(pool)
                 .await?;
             Ok(done.rows_affected())

@@ -69,8 +69,10 @@ impl Backend for MySql {
         conn: PoolConnection<Self>,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        // `SET TRANSACTION` (without SESSION) applies to the next
-        // transaction only.
+        // Round trip 1. `SET TRANSACTION` (without SESSION) applies to the
+        // next transaction only. (An error does not end a MySQL
+        // transaction, so the insert cannot ride in this round trip: a lost
+        // claim would leave the transaction open behind sqlx's back.)
         let begin = format!(
             "SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION",
             claim.isolation.as_sql()
@@ -80,32 +82,26 @@ impl Backend for MySql {
             Some(AssertSqlSafe(begin).into_sql_str()),
         )
         .await?;
-        // InnoDB counts lock waits in whole seconds. The bound applies to
-        // the insert alone (MariaDB's `SET STATEMENT … FOR`, MySQL 8's
-        // `SET_VAR` hint; each server ignores the other's form), so no
-        // session setting changes. A plain insert: a duplicate key is the
-        // driver's unique-violation error, which ends the statement and the
-        // rest of the message, not the transaction. Not `ON DUPLICATE KEY
-        // UPDATE`, whose affected-row count is 1 for a no-op update when the
-        // client asks for found rows, as sqlx does; not `INSERT IGNORE`,
-        // which also swallows unrelated errors. Values are hex literals.
-        // Rounded to the nearest second; MariaDB takes 0 (fail at once,
-        // for the first attempt's short probe), MySQL at least 1.
+        // Round trip 2: insert, savepoint. InnoDB counts lock waits in
+        // whole seconds. The bound applies to the insert alone (MariaDB's
+        // `SET STATEMENT … FOR`, MySQL 8's `SET_VAR` hint; each server
+        // ignores the other's form), so no session setting changes. A plain
+        // insert: a duplicate key is the driver's unique-violation error,
+        // which ends the statement and the rest of the message, not the
+        // transaction. Not `ON DUPLICATE KEY UPDATE`, whose affected-row
+        // count is 1 for a no-op update when the client asks for found
+        // rows, as sqlx does; not `INSERT IGNORE`, which also swallows
+        // unrelated errors. Values are hex literals. Rounded to the
+        // nearest second; MariaDB takes 0 (fail at once, for the first
+        // attempt's short probe), MySQL at least 1.
         let secs = claim.lock_wait.as_secs_f64().round().clamp(0.0, 3600.0) as u64;
         let mysql_secs = secs.max(1);
-        let scope = format!(
-            "principal_id = X'{}' AND operation = X'{}' AND idem_key = X'{}'",
-            hex(claim.scope.principal.as_bytes()),
-            hex(claim.scope.operation.as_bytes()),
-            hex(claim.scope.key.as_bytes()),
-        );
         let sql = format!(
             "/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ \
              INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
              VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); \
-             SAVEPOINT {SAVEPOINT}; \
-             SELECT expires_at FROM idempotency_records WHERE {scope}",
+             SAVEPOINT {SAVEPOINT}",
             hex(claim.scope.principal.as_bytes()),
             hex(claim.scope.operation.as_bytes()),
             hex(claim.scope.key.as_bytes()),
@@ -113,12 +109,8 @@ impl Backend for MySql {
             claim.retention_ms,
             now = now_ms!(),
         );
-        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
-            Ok(rows) => {
-                let row = rows.first().ok_or(sqlx::Error::RowNotFound)?;
-                let expires_at = row.try_get(0)?;
-                Ok(ClaimOutcome::Won { tx, expires_at })
-            }
+        match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await {
+            Ok(_) => Ok(ClaimOutcome::Won(tx)),
             // The driver's own signal, never a parsed message.
             Err(e)
                 if e.as_database_error()
@@ -134,13 +126,15 @@ impl Backend for MySql {
         }
     }
 
-    async fn complete(
-        conn: &mut sqlx::MySqlConnection,
+    async fn finish(
+        mut tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
-    ) -> Result<(), sqlx::Error> {
-        // One round trip: (undo the business writes,) prove the claimed
-        // transaction is still ours by releasing its savepoint, record.
+    ) -> Result<i64, sqlx::Error> {
+        // Round trip 1: (undo the business writes,) prove the claimed
+        // transaction is still ours by releasing its savepoint, record,
+        // read the expiry. Round trip 2: commit, only once the row is known
+        // to be recorded.
         let undo = if c.status == RecordStatus::FailedFinal {
             format!("ROLLBACK TO SAVEPOINT {SAVEPOINT}; ")
         } else {
@@ -150,24 +144,37 @@ impl Backend for MySql {
             || "NULL".to_string(),
             |id| format!("CONVERT(X'{}' USING utf8mb4)", hex(id.as_bytes())),
         );
-        let sql = format!(
-            "{undo}RELEASE SAVEPOINT {SAVEPOINT}; \
-             UPDATE idempotency_records SET status = '{}', response_status = {}, \
-             response_headers = X'{}', response_body = X'{}', resource_id = {resource} \
-             WHERE principal_id = X'{}' AND operation = X'{}' AND idem_key = X'{}'",
-            c.status.as_str(),
-            c.response_status,
-            hex(c.response_headers),
-            hex(c.response_body),
+        let scope = format!(
+            "principal_id = X'{}' AND operation = X'{}' AND idem_key = X'{}'",
             hex(scope.principal.as_bytes()),
             hex(scope.operation.as_bytes()),
             hex(scope.key.as_bytes()),
         );
-        let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(conn).await?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(sqlx::Error::RowNotFound)
+        let sql = format!(
+            "{undo}RELEASE SAVEPOINT {SAVEPOINT}; \
+             UPDATE idempotency_records SET status = '{}', response_status = {}, \
+             response_headers = X'{}', response_body = X'{}', resource_id = {resource} \
+             WHERE {scope}; \
+             SELECT expires_at FROM idempotency_records WHERE {scope} AND status = '{}'",
+            c.status.as_str(),
+            c.response_status,
+            hex(c.response_headers),
+            hex(c.response_body),
+            c.status.as_str(),
+        );
+        let recorded = sqlx::raw_sql(AssertSqlSafe(sql))
+            .fetch_all(&mut *tx)
+            .await
+            .and_then(|rows| rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0));
+        match recorded {
+            Ok(expires_at) => {
+                tx.commit().await?;
+                Ok(expires_at)
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
         }
     }
 
@@ -188,8 +195,18 @@ impl Backend for MySql {
             " THEN 1 ELSE 0 END FROM idempotency_records \
              WHERE principal_id = ? AND operation = ? AND idem_key = ?"
         ),
-        mark = "UPDATE idempotency_records SET status = 'NEEDS_RECONCILIATION', response_status = ? \
-                WHERE principal_id = ? AND operation = ? AND idem_key = ? AND status = 'PROCESSING'",
+        // Assignments run left to right: response_status before status.
+        mark = concat!(
+            "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
+             request_fingerprint, status, response_status, created_at, expires_at) \
+             VALUES (?, ?, ?, ?, 'NEEDS_RECONCILIATION', ?, ",
+            now_ms!(),
+            ", ",
+            now_ms!(),
+            " + ?) ON DUPLICATE KEY UPDATE \
+             response_status = IF(status = 'PROCESSING', VALUES(response_status), response_status), \
+             status = IF(status = 'PROCESSING', 'NEEDS_RECONCILIATION', status)"
+        ),
         list = "SELECT CONVERT(principal_id USING utf8mb4), CONVERT(operation USING utf8mb4), \
                 CONVERT(idem_key USING utf8mb4), status, response_status, created_at \
                 FROM idempotency_records WHERE status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \

@@ -54,34 +54,28 @@ impl Backend for Postgres {
         conn: PoolConnection<Self>,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        // Round trip 1: begin at the chosen isolation level, remember the
-        // session's lock_timeout, bound the claim's lock wait. Every setting
-        // is local to this transaction.
-        let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
-        let begin = format!(
-            "BEGIN ISOLATION LEVEL {}; \
-             SELECT set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true); \
-             SET LOCAL lock_timeout = '{ms}ms'",
-            claim.isolation.as_sql()
-        );
-        let mut tx = Transaction::begin(
-            MaybePoolConnection::PoolConnection(conn),
-            Some(AssertSqlSafe(begin).into_sql_str()),
-        )
-        .await?;
-        // Round trip 2: insert (the row's RETURNING puts the session's lock
-        // timeout back for the handler), then the savepoint. Several
+        // One round trip. The statements run in the implicit transaction of
+        // a multi-statement query until `BEGIN` turns it into an explicit
+        // one that stays open for the handler. So a lost claim (the insert's
+        // unique violation), a lock timeout or a serialization failure rolls
+        // everything back and leaves the connection idle, as sqlx expects;
+        // a won claim leaves it inside the transaction, past the savepoint.
+        // The lock wait is bounded for the insert only: the session's own
+        // lock_timeout is remembered first and put back after it. Several
         // statements need the simple query protocol, which has no
         // parameters, so every value is written as hex digits or a decimal
         // integer: nothing from the request can change the statement.
+        let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
         let sql = format!(
-            "INSERT INTO idempotency_records \
+            "SET TRANSACTION ISOLATION LEVEL {}; \
+             SELECT set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true); \
+             SELECT set_config('lock_timeout', '{ms}ms', true); \
+             INSERT INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
-             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}) \
-             ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
-             RETURNING expires_at, \
-             set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true); \
-             SAVEPOINT {SAVEPOINT}",
+             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}); \
+             SELECT set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true); \
+             BEGIN; SAVEPOINT {SAVEPOINT}",
+            claim.isolation.as_sql(),
             text(claim.scope.principal),
             text(claim.scope.operation),
             text(claim.scope.key),
@@ -89,41 +83,50 @@ impl Backend for Postgres {
             claim.retention_ms,
             now = now_ms!(),
         );
-        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
-            Ok(rows) => match rows.first() {
-                Some(row) => {
-                    let expires_at = row.try_get(0)?;
-                    Ok(ClaimOutcome::Won { tx, expires_at })
-                }
-                None => {
-                    tx.rollback().await?;
-                    Ok(ClaimOutcome::Lost)
-                }
-            },
-            Err(e) => {
-                let _ = tx.rollback().await;
-                Err(e)
+        let claimed = Transaction::begin(
+            MaybePoolConnection::PoolConnection(conn),
+            Some(AssertSqlSafe(sql).into_sql_str()),
+        )
+        .await;
+        match claimed {
+            Ok(tx) => Ok(ClaimOutcome::Won(tx)),
+            // The driver's own signal, never a parsed message.
+            Err(e)
+                if e.as_database_error()
+                    .is_some_and(|d| d.is_unique_violation()) =>
+            {
+                Ok(ClaimOutcome::Lost)
             }
+            Err(e) => Err(e),
         }
     }
 
-    async fn complete(
-        conn: &mut sqlx::PgConnection,
+    async fn finish(
+        mut tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<i64, sqlx::Error> {
         // One round trip: (undo the business writes,) prove the claimed
-        // transaction is still ours by releasing its savepoint, record.
+        // transaction is still ours by releasing its savepoint, record,
+        // commit. The trailing `BEGIN` opens an empty transaction that
+        // matches sqlx's count of one open transaction; its rollback is
+        // queued when `tx` drops and rides on the pool's own check of the
+        // returned connection.
         let undo = if c.status == RecordStatus::FailedFinal {
             format!("ROLLBACK TO SAVEPOINT {SAVEPOINT}; ")
         } else {
             String::new()
         };
+        // A missing row (a handler that deleted it) fails the cast, so the
+        // COMMIT never runs without the ledger row.
         let sql = format!(
             "{undo}RELEASE SAVEPOINT {SAVEPOINT}; \
-             UPDATE idempotency_records SET status = '{}', response_status = {}, \
+             WITH done AS (UPDATE idempotency_records SET status = '{}', response_status = {}, \
              response_headers = {}, response_body = {}, resource_id = {} \
-             WHERE principal_id = {} AND operation = {} AND idem_key = {}",
+             WHERE principal_id = {} AND operation = {} AND idem_key = {} RETURNING expires_at) \
+             SELECT (CASE WHEN count(*) = 1 THEN max(expires_at)::text \
+             ELSE 'the idempotency ledger row is gone' END)::int8 FROM done; \
+             COMMIT; BEGIN",
             c.status.as_str(),
             c.response_status,
             bytea(c.response_headers),
@@ -133,11 +136,12 @@ impl Backend for Postgres {
             text(scope.operation),
             text(scope.key),
         );
-        let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(conn).await?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(sqlx::Error::RowNotFound)
+        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
+            Ok(rows) => rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0),
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
         }
     }
 
@@ -158,8 +162,17 @@ impl Backend for Postgres {
             " THEN 1::INT8 ELSE 0::INT8 END FROM idempotency_records \
              WHERE principal_id = $1 AND operation = $2 AND idem_key = $3"
         ),
-        mark = "UPDATE idempotency_records SET status = 'NEEDS_RECONCILIATION', response_status = $1 \
-                WHERE principal_id = $2 AND operation = $3 AND idem_key = $4 AND status = 'PROCESSING'",
+        mark = concat!(
+            "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
+             request_fingerprint, status, response_status, created_at, expires_at) \
+             VALUES ($1, $2, $3, $4, 'NEEDS_RECONCILIATION', $5, ",
+            now_ms!(),
+            ", ",
+            now_ms!(),
+            " + $6) ON CONFLICT (principal_id, operation, idem_key) DO UPDATE \
+             SET status = 'NEEDS_RECONCILIATION', response_status = EXCLUDED.response_status \
+             WHERE idempotency_records.status = 'PROCESSING'"
+        ),
         list = "SELECT principal_id, operation, idem_key, status, response_status, created_at \
                 FROM idempotency_records WHERE status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \
                 ORDER BY created_at LIMIT $1",

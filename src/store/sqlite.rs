@@ -61,30 +61,30 @@ impl Backend for Sqlite {
             Some("BEGIN IMMEDIATE".into_sql_str()),
         )
         .await?;
-        let inserted: Result<Option<i64>, _> = sqlx::query_scalar(concat!(
+        let inserted = sqlx::query(concat!(
             "INSERT INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
              VALUES (?, ?, ?, ?, 'PROCESSING', ",
             now_ms!(),
             ", ",
             now_ms!(),
-            " + ?) ON CONFLICT (principal_id, operation, idem_key) DO NOTHING RETURNING expires_at"
+            " + ?) ON CONFLICT (principal_id, operation, idem_key) DO NOTHING"
         ))
         .bind(claim.scope.principal)
         .bind(claim.scope.operation)
         .bind(claim.scope.key)
         .bind(claim.fingerprint)
         .bind(claim.retention_ms)
-        .fetch_optional(&mut *tx)
+        .execute(&mut *tx)
         .await;
         match inserted {
-            Ok(Some(expires_at)) => {
+            Ok(done) if done.rows_affected() == 1 => {
                 sqlx::raw_sql("SAVEPOINT tower_idempotency_claimed")
                     .execute(&mut *tx)
                     .await?;
-                Ok(ClaimOutcome::Won { tx, expires_at })
+                Ok(ClaimOutcome::Won(tx))
             }
-            Ok(None) => {
+            Ok(_) => {
                 tx.rollback().await?;
                 Ok(ClaimOutcome::Lost)
             }
@@ -95,25 +95,27 @@ impl Backend for Sqlite {
         }
     }
 
-    async fn complete(
-        conn: &mut sqlx::SqliteConnection,
+    async fn finish(
+        mut tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<i64, sqlx::Error> {
         // An embedded database has no round trips to save: prove the
-        // claimed transaction is still ours, then record with parameters.
+        // claimed transaction is still ours, record with parameters, commit.
         let check = if c.status == RecordStatus::FailedFinal {
             "ROLLBACK TO SAVEPOINT tower_idempotency_claimed; RELEASE SAVEPOINT tower_idempotency_claimed"
         } else {
             "RELEASE SAVEPOINT tower_idempotency_claimed"
         };
-        if let Err(e) = sqlx::raw_sql(check).execute(&mut *conn).await {
-            return Err(reopen_if_ended(conn, e).await);
+        if let Err(e) = sqlx::raw_sql(check).execute(&mut *tx).await {
+            let e = reopen_if_ended(&mut tx, e).await;
+            let _ = tx.rollback().await;
+            return Err(e);
         }
-        let done = sqlx::query(
+        let recorded: Result<i64, _> = sqlx::query_scalar(
             "UPDATE idempotency_records SET status = ?, response_status = ?, \
              response_headers = ?, response_body = ?, resource_id = ? \
-             WHERE principal_id = ? AND operation = ? AND idem_key = ?",
+             WHERE principal_id = ? AND operation = ? AND idem_key = ? RETURNING expires_at",
         )
         .bind(c.status.as_str())
         .bind(c.response_status)
@@ -123,12 +125,17 @@ impl Backend for Sqlite {
         .bind(scope.principal)
         .bind(scope.operation)
         .bind(scope.key)
-        .execute(&mut *conn)
-        .await?;
-        if done.rows_affected() == 1 {
-            Ok(())
-        } else {
-            Err(sqlx::Error::RowNotFound)
+        .fetch_one(&mut *tx)
+        .await;
+        match recorded {
+            Ok(expires_at) => {
+                tx.commit().await?;
+                Ok(expires_at)
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
         }
     }
 
@@ -152,8 +159,17 @@ impl Backend for Sqlite {
             " THEN 1 ELSE 0 END FROM idempotency_records \
              WHERE principal_id = ? AND operation = ? AND idem_key = ?"
         ),
-        mark = "UPDATE idempotency_records SET status = 'NEEDS_RECONCILIATION', response_status = ? \
-                WHERE principal_id = ? AND operation = ? AND idem_key = ? AND status = 'PROCESSING'",
+        mark = concat!(
+            "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
+             request_fingerprint, status, response_status, created_at, expires_at) \
+             VALUES (?, ?, ?, ?, 'NEEDS_RECONCILIATION', ?, ",
+            now_ms!(),
+            ", ",
+            now_ms!(),
+            " + ?) ON CONFLICT (principal_id, operation, idem_key) DO UPDATE \
+             SET status = 'NEEDS_RECONCILIATION', response_status = excluded.response_status \
+             WHERE idempotency_records.status = 'PROCESSING'"
+        ),
         list = "SELECT principal_id, operation, idem_key, status, response_status, created_at \
                 FROM idempotency_records WHERE status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \
                 ORDER BY created_at LIMIT ?",

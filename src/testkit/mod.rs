@@ -243,6 +243,14 @@ async fn create_order<DB: ConformanceDb>(
             return (StatusCode::SERVICE_UNAVAILABLE, "try later").into_response();
         }
         "commit_201" => DB::exec_on(&mut conn, "COMMIT").await.unwrap(),
+        // ROLLBACK, then more writes (a handler "retrying" a deadlock by
+        // hand): they autocommit, and the claim is gone.
+        "rollback_201" => {
+            DB::exec_on(&mut conn, "ROLLBACK").await.unwrap();
+            DB::insert_order(&mut conn, "after-rollback", 1)
+                .await
+                .unwrap();
+        }
         "commit_409" => {
             DB::exec_on(&mut conn, "COMMIT").await.unwrap();
             return (StatusCode::CONFLICT, "out of stock").into_response();
