@@ -131,10 +131,13 @@ impl Backend for MySql {
         scope: &Scope<'_>,
         c: &Completion<'_>,
     ) -> Result<i64, sqlx::Error> {
-        // Round trip 1: (undo the business writes,) prove the claimed
+        // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, record,
-        // read the expiry. Round trip 2: commit, only once the row is known
-        // to be recorded.
+        // read the expiry, commit. The read fails (a scalar subquery of two
+        // rows) when the recorded row is missing, so the COMMIT never runs
+        // without it. The trailing `START TRANSACTION` opens an empty
+        // transaction that matches sqlx's count of one open transaction;
+        // its rollback is queued when `tx` drops.
         let undo = if c.status == RecordStatus::FailedFinal {
             format!("ROLLBACK TO SAVEPOINT {SAVEPOINT}; ")
         } else {
@@ -144,33 +147,29 @@ impl Backend for MySql {
             || "NULL".to_string(),
             |id| format!("CONVERT(X'{}' USING utf8mb4)", hex(id.as_bytes())),
         );
-        let scope = format!(
+        let row = format!(
             "principal_id = X'{}' AND operation = X'{}' AND idem_key = X'{}'",
             hex(scope.principal.as_bytes()),
             hex(scope.operation.as_bytes()),
             hex(scope.key.as_bytes()),
         );
+        let status = c.status.as_str();
+        let recorded = format!("idempotency_records WHERE {row} AND status = '{status}'");
         let sql = format!(
             "{undo}RELEASE SAVEPOINT {SAVEPOINT}; \
-             UPDATE idempotency_records SET status = '{}', response_status = {}, \
+             UPDATE idempotency_records SET status = '{status}', response_status = {}, \
              response_headers = X'{}', response_body = X'{}', resource_id = {resource} \
-             WHERE {scope}; \
-             SELECT expires_at FROM idempotency_records WHERE {scope} AND status = '{}'",
-            c.status.as_str(),
+             WHERE {row}; \
+             SELECT (SELECT expires_at FROM {recorded} \
+             UNION ALL SELECT -1 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded}) \
+             UNION ALL SELECT -2 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded})); \
+             COMMIT; START TRANSACTION",
             c.response_status,
             hex(c.response_headers),
             hex(c.response_body),
-            c.status.as_str(),
         );
-        let recorded = sqlx::raw_sql(AssertSqlSafe(sql))
-            .fetch_all(&mut *tx)
-            .await
-            .and_then(|rows| rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0));
-        match recorded {
-            Ok(expires_at) => {
-                tx.commit().await?;
-                Ok(expires_at)
-            }
+        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
+            Ok(rows) => rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0),
             Err(e) => {
                 let _ = tx.rollback().await;
                 Err(e)

@@ -130,9 +130,14 @@ pub fn mysql_admin_url() -> String {
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 fn with_db(url: &str, db: &str) -> String {
-    match url.rfind('/') {
-        Some(i) if i > "postgres://".len() => format!("{}/{db}", &url[..i]),
-        _ => format!("{url}/{db}"),
+    // Keep the query (connection options such as the statement cache).
+    let (base, query) = match url.find('?') {
+        Some(q) => url.split_at(q),
+        None => (url, ""),
+    };
+    match base.rfind('/') {
+        Some(i) if i > "postgres://".len() => format!("{}/{db}{query}", &base[..i]),
+        _ => format!("{base}/{db}{query}"),
     }
 }
 

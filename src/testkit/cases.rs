@@ -1333,3 +1333,113 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
     );
     drop(h);
 }
+
+/// Issue 10: a response future dropped at each await point (waiting in
+/// the claim, in the handler, while the answer is recorded and committed)
+/// leaves nothing behind on a single-connection pool: no open
+/// transaction, no claim. The next request on that one connection runs,
+/// and its commit is real (another pool sees it).
+pub async fn dropped_futures_leave_a_clean_connection<DB: ConformanceDb>(h: Harness<DB>) {
+    let one = sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(1)
+        .connect_with((*h.pool.connect_options()).clone())
+        .await
+        .unwrap();
+    let app = h.app_with(IdempotencyLayer::new(one.clone()).with_principal(super::bearer));
+    let cut = |body: &'static str, key: &'static str, after: u64| {
+        let app = app.clone();
+        async move {
+            let sent = tokio::time::timeout(
+                Duration::from_millis(after),
+                send(&app, order(ALICE, Some(key), body)),
+            )
+            .await;
+            assert!(sent.is_err(), "{key}: the client went away in time");
+        }
+    };
+    // 1. Mid-claim: the key is held by a stuck claim (another pool), the
+    //    request waits on it and is dropped. (SQLite: on the write lock.)
+    let stuck = DB::hold_claim(&h.pool, "user-42", "POST /orders", "mid-claim").await;
+    cut(BODY, "mid-claim", 30).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    stuck.rollback().await.unwrap();
+    // 2. Mid-handler.
+    cut(r#"{"amount":1,"sleep_ms":2000}"#, "mid-handler", 300).await;
+    // 3. Mid-recording: the commit is slowed by the database itself.
+    let slow_commit = match DB::LABEL {
+        "postgres" => Some((
+            "CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN IF NEW.amount = 777 THEN PERFORM pg_sleep(1); END IF; RETURN NULL; END $$; \
+             CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON orders \
+             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit();",
+            "DROP TRIGGER slow_commit ON orders",
+        )),
+        "mysql" => Some((
+            "CREATE TRIGGER slow_record BEFORE UPDATE ON idempotency_records FOR EACH ROW \
+             SET @slept = IF(NEW.status = 'SUCCEEDED' AND NEW.idem_key = 'mid-finish', SLEEP(1), 0)",
+            "DROP TRIGGER slow_record",
+        )),
+        // No server-side sleep in SQLite; its commit is local.
+        _ => None,
+    };
+    if let Some((create, drop_it)) = slow_commit {
+        DB::exec(&h.pool, create).await;
+        cut(r#"{"amount":777}"#, "mid-finish", 400).await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        DB::exec(&h.pool, drop_it).await;
+    }
+    // The one connection is clean: nothing of the cancelled requests is
+    // kept, and a request through it commits for real.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let kept_before = h.orders().await;
+    let ok = send(&app, order(ALICE, Some("after"), BODY)).await;
+    assert_eq!(ok.status, StatusCode::CREATED, "{ok:?}");
+    assert_eq!(
+        DB::count(
+            &h.pool,
+            "SELECT COUNT(*) FROM idempotency_records WHERE idem_key = 'after' AND status = 'SUCCEEDED'"
+        )
+        .await,
+        1,
+        "another pool sees the commit"
+    );
+    assert_eq!(h.orders().await, kept_before + 1);
+    for key in ["mid-claim", "mid-handler"] {
+        let sql = match key {
+            "mid-claim" => "SELECT COUNT(*) FROM idempotency_records WHERE idem_key = 'mid-claim'",
+            _ => "SELECT COUNT(*) FROM idempotency_records WHERE idem_key = 'mid-handler'",
+        };
+        assert_eq!(DB::count(&h.pool, sql).await, 0, "{key} left a row");
+    }
+    // The mid-finish request either committed whole or not at all: its
+    // order and its SUCCEEDED row together.
+    let finished = DB::count(
+        &h.pool,
+        "SELECT COUNT(*) FROM idempotency_records WHERE idem_key = 'mid-finish' AND status = 'SUCCEEDED'",
+    )
+    .await;
+    let order_kept = DB::count(&h.pool, "SELECT COUNT(*) FROM orders WHERE amount = 777").await;
+    assert_eq!(finished, order_kept, "all or nothing");
+    // Each cancelled key runs (or replays) on retry.
+    for (key, body) in [("mid-claim", BODY), ("mid-handler", r#"{"amount":1}"#)] {
+        let retry = send(&app, order(ALICE, Some(key), body)).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{key}: {retry:?}");
+    }
+    assert_eq!(one.size(), 1);
+}
+
+/// A handler that deletes its own claim's ledger row (and answers 201)
+/// commits nothing: the layer never commits business rows without the
+/// ledger row that makes a retry replay them.
+pub async fn a_handler_that_deletes_its_ledger_row_commits_nothing<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h.app();
+    let body = r#"{"amount":5,"mode":"delete_ledger"}"#;
+    let a = send(&app, order(ALICE, KEY, body)).await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
+    h.assert_nothing_stored().await;
+    let retry = send(&app, order(ALICE, KEY, r#"{"amount":5}"#)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(h.orders().await, 1);
+}

@@ -255,6 +255,10 @@ async fn create_order<DB: ConformanceDb>(
             DB::exec_on(&mut conn, "COMMIT").await.unwrap();
             return (StatusCode::CONFLICT, "out of stock").into_response();
         }
+        // The handler deletes the claim's own ledger row.
+        "delete_ledger" => DB::exec_on(&mut conn, "DELETE FROM idempotency_records")
+            .await
+            .unwrap(),
         // MySQL's DDL commits implicitly (elsewhere it is transactional).
         "ddl_201" if DB::LABEL == "mysql" => {
             DB::exec_on(&mut conn, "CREATE TABLE implicit_commit (id INT)")
@@ -469,6 +473,8 @@ macro_rules! conformance_suite {
             handler_that_ends_the_transaction_is_held_for_reconciliation,
             stricter_isolation_keeps_the_guarantees,
             migrations_upgrade_in_place_and_run_concurrently,
+            dropped_futures_leave_a_clean_connection,
+            a_handler_that_deletes_its_ledger_row_commits_nothing,
         );
     };
 }
