@@ -7,9 +7,13 @@
 //! ```
 //!
 //! Prints a table (throughput, p50/p99, ratio to the baseline), database work
-//! per request from `pg_stat_database`, a duplicate-storm check, the peak
-//! RSS of the example service under 1 000 concurrent 64 KiB requests, and
-//! writes `docs/throughput.svg`. Every phase is bounded by time and count.
+//! per request from `pg_stat_database`, round trips and WAL bytes per
+//! request (counted by a TCP relay between the service and PostgreSQL, see
+//! `relay.rs`), the same comparison with the database at a distance (the
+//! relay delays each direction, `TI_BENCH_DISTANCE_US`, 250 µs by default),
+//! a duplicate-storm check, the peak RSS of the example service under 1 000
+//! concurrent 64 KiB requests, and writes `docs/throughput.svg`. Every phase
+//! is bounded by time and count.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,11 +33,15 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Connection, Executor, PgConnection, Postgres};
 use tower_idempotency::{IdempotencyLayer, Principal, Tx};
 
+mod relay;
+
 const PHASE: Duration = Duration::from_secs(3);
 const ROUNDS: usize = 2;
 const MAX_REQUESTS: u64 = 200_000;
 const CONCURRENCY: [usize; 3] = [1, 8, 64];
 const ORDER: &str = r#"{"currency":"KRW","items":[{"sku":"A-10","qty":1}],"amount":12000}"#;
+/// An order that meets an empty shelf: a final business error (`409`).
+const SHORT: &str = r#"{"currency":"KRW","items":[{"sku":"EMPTY","qty":1}],"amount":12000}"#;
 
 #[derive(Deserialize)]
 struct CreateOrder {
@@ -331,7 +339,7 @@ async fn main() {
         "CREATE TABLE orders (id TEXT PRIMARY KEY, principal TEXT NOT NULL, currency TEXT NOT NULL, amount BIGINT NOT NULL);
          CREATE TABLE order_items (order_id TEXT NOT NULL REFERENCES orders (id), line BIGINT NOT NULL, sku TEXT NOT NULL, qty BIGINT NOT NULL, PRIMARY KEY (order_id, line));
          CREATE TABLE stock (sku TEXT PRIMARY KEY, qty BIGINT NOT NULL CHECK (qty >= 0));
-         INSERT INTO stock VALUES ('A-10', 1000000000);",
+         INSERT INTO stock VALUES ('A-10', 1000000000), ('EMPTY', 0);",
     )
     .execute(&setup)
     .await
@@ -423,6 +431,25 @@ async fn main() {
         println!("{w}");
     }
 
+    let pg: std::net::SocketAddr = {
+        let hostport = admin
+            .split('@')
+            .nth(1)
+            .and_then(|rest| rest.split('/').next())
+            .unwrap_or("127.0.0.1:5432");
+        tokio::net::lookup_host(hostport)
+            .await
+            .unwrap()
+            .next()
+            .unwrap()
+    };
+    round_trips_and_wal(&admin, &db, pg).await;
+    let distance_us: u64 = std::env::var("TI_BENCH_DISTANCE_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(250);
+    at_a_distance(&db, pg, Duration::from_micros(distance_us), &plot).await;
+
     storm(&url).await;
     write_svg(&plot);
     peak_rss().await;
@@ -433,6 +460,161 @@ async fn main() {
     )))
     .await
     .unwrap();
+}
+
+/// The URL of `db` through `relay`.
+fn via(relay: &relay::Relay, db: &str) -> String {
+    format!("postgres://postgres@{}/{db}", relay.addr)
+}
+
+async fn wal_lsn(admin: &str) -> String {
+    let mut c = PgConnection::connect(admin).await.unwrap();
+    let lsn: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&mut c)
+        .await
+        .unwrap();
+    c.close().await.unwrap();
+    lsn
+}
+
+async fn wal_bytes(admin: &str, from: &str, to: &str) -> i64 {
+    let mut c = PgConnection::connect(admin).await.unwrap();
+    let n: i64 = sqlx::query_scalar("SELECT pg_wal_lsn_diff($1::pg_lsn, $2::pg_lsn)::int8")
+        .bind(to)
+        .bind(from)
+        .fetch_one(&mut c)
+        .await
+        .unwrap();
+    c.close().await.unwrap();
+    n
+}
+
+/// Round trips and WAL bytes per request, one client, sequential requests,
+/// through a relay without delay. Figures that do not depend on machine
+/// noise: the target is a first execution = the baseline, a replay = 1.
+async fn round_trips_and_wal(admin: &str, db: &str, pg: std::net::SocketAddr) {
+    const N: u64 = 200;
+    let scenarios: [(&str, bool, Keys, &'static str); 4] = [
+        ("baseline (no layer)", false, Keys::None, ORDER),
+        ("first execution", true, Keys::Unique, ORDER),
+        ("replay", true, Keys::One, ORDER),
+        (
+            "final business error (409 recorded)",
+            true,
+            Keys::Unique,
+            SHORT,
+        ),
+    ];
+    println!();
+    println!(
+        "Round trips to PostgreSQL and WAL per request ({N} sequential requests each, counted by a relay; \
+         sqlx's pool adds its own check of each returned connection, included here for both):"
+    );
+    println!();
+    println!("| scenario | round trips | WAL bytes | statuses |");
+    println!("|---|---|---|---|");
+    for (name, layer, keys, body) in scenarios {
+        let relay = relay::Relay::start(pg, Duration::ZERO);
+        let server = serve(&via(&relay, db), layer).await;
+        // Warm up: connections, statement caches, the replayed key.
+        load_n(server.addr, keys, body, 20).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let before = relay.round_trips();
+        let lsn = wal_lsn(admin).await;
+        let statuses = load_n(server.addr, keys, body, N).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let rts = relay.round_trips() - before;
+        let wal = wal_bytes(admin, &lsn, &wal_lsn(admin).await).await;
+        server.stop().await;
+        println!(
+            "| {name} | {:.2} | {:.0} | {statuses:?} |",
+            rts as f64 / N as f64,
+            wal as f64 / N as f64
+        );
+    }
+}
+
+/// `n` sequential requests on one connection; the statuses seen.
+async fn load_n(
+    addr: std::net::SocketAddr,
+    keys: Keys,
+    body: &'static str,
+    n: u64,
+) -> std::collections::BTreeMap<u16, u64> {
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.set_nodelay(true).unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut statuses = std::collections::BTreeMap::new();
+    for _ in 0..n {
+        let mut req = Request::post("/orders")
+            .header("host", "bench")
+            .header("content-type", "application/json");
+        match keys {
+            Keys::None => {}
+            Keys::Unique => {
+                req = req.header(
+                    "idempotency-key",
+                    format!("k-{}", KEY_SEQ.fetch_add(1, Ordering::Relaxed)),
+                )
+            }
+            Keys::One => req = req.header("idempotency-key", "the-one-key"),
+        }
+        let req = req
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .unwrap();
+        sender.ready().await.unwrap();
+        let res = sender.send_request(req).await.unwrap();
+        *statuses.entry(res.status().as_u16()).or_insert(0) += 1;
+        res.into_body().collect().await.unwrap();
+    }
+    statuses
+}
+
+/// The baseline and first executions with the database `delay` away (each
+/// direction), interleaved, next to the loopback ratios of this run.
+async fn at_a_distance(db: &str, pg: std::net::SocketAddr, delay: Duration, loopback: &[Point]) {
+    println!();
+    println!(
+        "With the database at a distance ({} µs each way, through the relay):",
+        delay.as_micros()
+    );
+    println!();
+    println!(
+        "| concurrency | baseline req/s | first execution req/s | ratio at distance | ratio on loopback |"
+    );
+    println!("|---|---|---|---|---|");
+    let relay = relay::Relay::start(pg, delay);
+    let url = via(&relay, db);
+    for (i, &conc) in CONCURRENCY.iter().enumerate() {
+        let mut runs = [None, None];
+        for round in 0..ROUNDS {
+            // A-B then B-A.
+            let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+            for which in order {
+                let server = serve(&url, which == 1).await;
+                let keys = if which == 1 { Keys::Unique } else { Keys::None };
+                let run = load(server.addr, conc, keys, ORDER, PHASE).await;
+                server.stop().await;
+                match &mut runs[which] {
+                    Some(total) => Run::absorb(total, run),
+                    slot => *slot = Some(run),
+                }
+            }
+        }
+        let [Some(base), Some(first)] = runs else {
+            unreachable!()
+        };
+        println!(
+            "| {conc} | {:.0} | {:.0} | {:.2} | {:.2} |",
+            base.rps(),
+            first.rps(),
+            first.rps() / base.rps(),
+            loopback.get(i).map_or(f64::NAN, |p| p.first / p.base)
+        );
+    }
 }
 
 /// 100 concurrent duplicates of one key while other keys flow: exactly one

@@ -553,25 +553,34 @@ macro_rules! shared_statements {
 }
 use shared_statements;
 
-/// Stamps out the versioned migration runner for a backend: `$lock` runs on
-/// `$conn` before anything else (and holds the backend's migration lock),
-/// `$record` records one applied version (`$1` version, `$2` name).
+/// Stamps out the versioned migration runner for a backend: `$create`
+/// runs on `$conn` first (and takes the backend's migration lock where it
+/// is a statement), then each missing migration and its record, with
+/// `$now` the backend's database clock. Simple statements only (no
+/// prepared statements), so it runs through a transaction-pooling proxy.
 macro_rules! run_migrations {
-    ($conn:expr, $migrations:expr, create = $create:expr, record = $record:expr $(,)?) => {{
+    ($conn:expr, $migrations:expr, create = $create:expr, now = $now:expr $(,)?) => {{
+        use sqlx::Row as _;
         let conn = $conn;
         sqlx::raw_sql($create).execute(&mut *conn).await?;
-        let applied: Vec<i64> =
-            sqlx::query_scalar("SELECT version FROM tower_idempotency_migrations ORDER BY version")
-                .fetch_all(&mut *conn)
-                .await?;
+        let applied = sqlx::raw_sql("SELECT version FROM tower_idempotency_migrations")
+            .fetch_all(&mut *conn)
+            .await?
+            .iter()
+            .map(|row| row.try_get::<i64, _>(0))
+            .collect::<Result<Vec<i64>, _>>()?;
         for m in $migrations {
             if applied.contains(&m.version) {
                 continue;
             }
             sqlx::raw_sql(m.sql).execute(&mut *conn).await?;
-            sqlx::query($record)
-                .bind(m.version)
-                .bind(m.name)
+            // Version and name are this crate's constants (digits, [a-z_]).
+            let record = format!(
+                "INSERT INTO tower_idempotency_migrations (version, name, applied_at) \
+                 VALUES ({}, '{}', {})",
+                m.version, m.name, $now
+            );
+            sqlx::raw_sql(sqlx::AssertSqlSafe(record))
                 .execute(&mut *conn)
                 .await?;
         }

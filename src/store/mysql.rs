@@ -53,11 +53,7 @@ impl Backend for MySql {
             create = "CREATE TABLE IF NOT EXISTS tower_idempotency_migrations \
                       (version BIGINT PRIMARY KEY, name VARCHAR(255) NOT NULL, \
                       applied_at BIGINT NOT NULL) ENGINE = InnoDB",
-            record = concat!(
-                "INSERT INTO tower_idempotency_migrations (version, name, applied_at) VALUES (?, ?, ",
-                now_ms!(),
-                ")"
-            ),
+            now = now_ms!(),
         )?;
         sqlx::query("SELECT RELEASE_LOCK('tower_idempotency_migrate')")
             .execute(&mut *conn)

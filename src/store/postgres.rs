@@ -6,8 +6,9 @@ use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Migration, RecordStatus, SAVEPOINT, Scope,
-    StoreErrorKind, generic_error_kind, run_migrations, shared_statements,
+    Backend, Claim, ClaimOutcome, Completion, Migration, Record, RecordStatus, SAVEPOINT, Scope,
+    StoreErrorKind, UnresolvedRecord, generic_error_kind, record_from_row, run_migrations,
+    unresolved_from_row,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).
@@ -41,11 +42,7 @@ impl Backend for Postgres {
             create = "SELECT pg_advisory_xact_lock(7412390118661024); \
                       CREATE TABLE IF NOT EXISTS tower_idempotency_migrations \
                       (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)",
-            record = concat!(
-                "INSERT INTO tower_idempotency_migrations (version, name, applied_at) VALUES ($1, $2, ",
-                now_ms!(),
-                ")"
-            ),
+            now = now_ms!(),
         )?;
         tx.commit().await
     }
@@ -152,53 +149,145 @@ impl Backend for Postgres {
             .map(drop)
     }
 
-    shared_statements!(
-        Postgres,
-        fetch = concat!(
+    // Every statement below goes through the simple query protocol with
+    // hex literals, like the claim: one round trip each, no prepared
+    // statements, so the ledger works through PgBouncer in transaction
+    // pooling mode whatever its version and the application's statement
+    // cache settings.
+
+    async fn fetch(pool: &Pool<Self>, scope: &Scope<'_>) -> Result<Option<Record>, sqlx::Error> {
+        let sql = format!(
             "SELECT status, request_fingerprint, response_status, response_headers, \
              response_body, resource_id, expires_at, \
-             CASE WHEN expires_at <= ",
-            now_ms!(),
-            " THEN 1::INT8 ELSE 0::INT8 END FROM idempotency_records \
-             WHERE principal_id = $1 AND operation = $2 AND idem_key = $3"
-        ),
-        mark = concat!(
+             CASE WHEN expires_at <= {now} THEN 1::INT8 ELSE 0::INT8 END \
+             FROM idempotency_records WHERE {}",
+            where_scope(scope),
+            now = now_ms!(),
+        );
+        let Some(row) = sqlx::raw_sql(AssertSqlSafe(sql))
+            .fetch_optional(pool)
+            .await?
+        else {
+            return Ok(None);
+        };
+        record_from_row((
+            row.try_get(0)?,
+            row.try_get(1)?,
+            row.try_get(2)?,
+            row.try_get(3)?,
+            row.try_get(4)?,
+            row.try_get(5)?,
+            row.try_get(6)?,
+            row.try_get(7)?,
+        ))
+        .map(Some)
+    }
+
+    async fn mark_unresolved(
+        pool: &Pool<Self>,
+        claim: &Claim<'_>,
+        response_status: i32,
+    ) -> Result<u64, sqlx::Error> {
+        let sql = format!(
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
              request_fingerprint, status, response_status, created_at, expires_at) \
-             VALUES ($1, $2, $3, $4, 'NEEDS_RECONCILIATION', $5, ",
-            now_ms!(),
-            ", ",
-            now_ms!(),
-            " + $6) ON CONFLICT (principal_id, operation, idem_key) DO UPDATE \
+             VALUES ({}, {}, {}, {}, 'NEEDS_RECONCILIATION', {response_status}, {now}, {now} + {}) \
+             ON CONFLICT (principal_id, operation, idem_key) DO UPDATE \
              SET status = 'NEEDS_RECONCILIATION', response_status = EXCLUDED.response_status \
-             WHERE idempotency_records.status = 'PROCESSING'"
-        ),
-        list = "SELECT principal_id, operation, idem_key, status, response_status, created_at \
-                FROM idempotency_records WHERE status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \
-                ORDER BY created_at LIMIT $1",
-        resolve = "UPDATE idempotency_records SET status = $1, response_status = $2, \
-                   response_headers = $3, response_body = $4, resource_id = $5 \
-                   WHERE principal_id = $6 AND operation = $7 AND idem_key = $8 \
-                   AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
-        delete = "DELETE FROM idempotency_records \
-                  WHERE principal_id = $1 AND operation = $2 AND idem_key = $3 \
-                  AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
-        expire = concat!(
+             WHERE idempotency_records.status = 'PROCESSING'",
+            text(claim.scope.principal),
+            text(claim.scope.operation),
+            text(claim.scope.key),
+            bytea(claim.fingerprint),
+            claim.retention_ms,
+            now = now_ms!(),
+        );
+        execute(pool, sql).await
+    }
+
+    async fn list_unresolved(
+        pool: &Pool<Self>,
+        limit: i64,
+    ) -> Result<Vec<UnresolvedRecord>, sqlx::Error> {
+        let sql = format!(
+            "SELECT principal_id, operation, idem_key, status, response_status, created_at \
+             FROM idempotency_records WHERE status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \
+             ORDER BY created_at LIMIT {limit}"
+        );
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(|row| {
+                unresolved_from_row((
+                    row.try_get(0)?,
+                    row.try_get(1)?,
+                    row.try_get(2)?,
+                    row.try_get(3)?,
+                    row.try_get(4)?,
+                    row.try_get(5)?,
+                ))
+            })
+            .collect()
+    }
+
+    async fn resolve(
+        pool: &Pool<Self>,
+        scope: &Scope<'_>,
+        completion: Option<&Completion<'_>>,
+    ) -> Result<u64, sqlx::Error> {
+        let unresolved = "status IN ('PROCESSING', 'NEEDS_RECONCILIATION')";
+        let sql = match completion {
+            Some(c) => format!(
+                "UPDATE idempotency_records SET status = '{}', response_status = {}, \
+                 response_headers = {}, response_body = {}, resource_id = {} \
+                 WHERE {} AND {unresolved}",
+                c.status.as_str(),
+                c.response_status,
+                bytea(c.response_headers),
+                bytea(c.response_body),
+                c.resource_id.map_or_else(|| "NULL".to_string(), text),
+                where_scope(scope),
+            ),
+            None => format!(
+                "DELETE FROM idempotency_records WHERE {} AND {unresolved}",
+                where_scope(scope)
+            ),
+        };
+        execute(pool, sql).await
+    }
+
+    async fn expire_batch(
+        pool: &Pool<Self>,
+        now: Option<i64>,
+        limit: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let sql = format!(
             "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
              response_body = NULL WHERE (principal_id, operation, idem_key) IN \
              (SELECT principal_id, operation, idem_key FROM idempotency_records \
-             WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= COALESCE($1, ",
-            now_ms!(),
-            ") LIMIT $2 FOR UPDATE SKIP LOCKED)"
-        ),
-        purge = concat!(
+             WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= {} \
+             LIMIT {limit} FOR UPDATE SKIP LOCKED)",
+            now.map_or_else(|| now_ms!().to_string(), |n| n.to_string()),
+        );
+        execute(pool, sql).await
+    }
+
+    async fn purge_batch(
+        pool: &Pool<Self>,
+        now: Option<i64>,
+        keep_ms: i64,
+        limit: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let sql = format!(
             "DELETE FROM idempotency_records WHERE (principal_id, operation, idem_key) IN \
              (SELECT principal_id, operation, idem_key FROM idempotency_records \
-             WHERE status = 'EXPIRED' AND expires_at <= COALESCE($1, ",
-            now_ms!(),
-            ") - $2 LIMIT $3 FOR UPDATE SKIP LOCKED)"
-        ),
-    );
+             WHERE status = 'EXPIRED' AND expires_at <= {} - {keep_ms} \
+             LIMIT {limit} FOR UPDATE SKIP LOCKED)",
+            now.map_or_else(|| now_ms!().to_string(), |n| n.to_string()),
+        );
+        execute(pool, sql).await
+    }
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {
@@ -223,10 +312,31 @@ impl Backend for Postgres {
     }
 }
 
-/// A text value as an SQL expression made of hex digits only.
+/// Runs one literal statement on the pool; the rows it changed.
+async fn execute(pool: &Pool<Postgres>, sql: String) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::raw_sql(AssertSqlSafe(sql))
+        .execute(pool)
+        .await?
+        .rows_affected())
+}
+
+/// `principal_id = … AND operation = … AND idem_key = …`, as literals.
+fn where_scope(scope: &Scope<'_>) -> String {
+    format!(
+        "principal_id = {} AND operation = {} AND idem_key = {}",
+        text(scope.principal),
+        text(scope.operation),
+        text(scope.key)
+    )
+}
+
+/// A text value as an SQL expression made of hex digits only. The
+/// explicit collation lets the planner use the ledger's indexes with it
+/// (without it, `convert_from`'s result has no collation to match and a
+/// lookup becomes a sequential scan).
 fn text(value: &str) -> String {
     format!(
-        "convert_from(decode('{}', 'hex'), 'UTF8')",
+        "convert_from(decode('{}', 'hex'), 'UTF8') COLLATE \"default\"",
         hex(value.as_bytes())
     )
 }
@@ -243,7 +353,7 @@ mod tests {
         let lit = super::text("x'); DROP TABLE t; --");
         let inner = lit
             .strip_prefix("convert_from(decode('")
-            .and_then(|l| l.strip_suffix("', 'hex'), 'UTF8')"))
+            .and_then(|l| l.strip_suffix("', 'hex'), 'UTF8') COLLATE \"default\""))
             .unwrap();
         assert!(inner.bytes().all(|b| b.is_ascii_hexdigit()));
     }

@@ -39,11 +39,7 @@ impl Backend for Sqlite {
             MIGRATIONS,
             create = "CREATE TABLE IF NOT EXISTS tower_idempotency_migrations \
                       (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at INTEGER NOT NULL)",
-            record = concat!(
-                "INSERT INTO tower_idempotency_migrations (version, name, applied_at) VALUES (?, ?, ",
-                now_ms!(),
-                ")"
-            ),
+            now = now_ms!(),
         )?;
         tx.commit().await
     }

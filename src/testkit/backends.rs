@@ -35,9 +35,8 @@ macro_rules! simple_queries {
     };
 }
 
-/// The test app's statements for databases that take `$N` parameters and
-/// `RETURNING` (PostgreSQL, and SQLite through sqlx).
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+/// The test app's statements for SQLite (`$N` parameters, `RETURNING`).
+#[cfg(feature = "sqlite")]
 macro_rules! order_statements {
     () => {
         async fn insert_order(
@@ -120,7 +119,19 @@ impl Drop for Cleanup {
 
 /// The PostgreSQL server the built-in cases create databases on (`PG_URL`).
 pub fn pg_admin_url() -> String {
+    if let Some(url) = PG_URL_OVERRIDE.get() {
+        return url.clone();
+    }
     std::env::var("PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+static PG_URL_OVERRIDE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Sends every later PostgreSQL case of this process to the server at
+/// `url` instead of `PG_URL`, such as a PgBouncer in front of it. The first
+/// call wins; later calls change nothing.
+pub fn use_postgres_url(url: impl Into<String>) {
+    let _ = PG_URL_OVERRIDE.set(url.into());
 }
 
 /// The MySQL/MariaDB server the built-in cases create databases on (`MYSQL_URL`).
@@ -200,11 +211,34 @@ const SQLITE_SCHEMA: &str = "
 CREATE TABLE orders (id INTEGER PRIMARY KEY AUTOINCREMENT, principal TEXT NOT NULL, amount INTEGER NOT NULL);
 CREATE TABLE stock (sku TEXT PRIMARY KEY, qty INTEGER NOT NULL);";
 
+/// A PostgreSQL string literal for a test value (standard conforming
+/// strings: only `'` needs doubling).
+#[cfg(feature = "postgres")]
+fn pg_lit(value: &str) -> String {
+    format!("'{}'", value.replace('\'', "''"))
+}
+
+/// The first column of the first row of a literal statement.
+#[cfg(feature = "postgres")]
+async fn pg_scalar<'c, T>(
+    conn: impl sqlx::Executor<'c, Database = sqlx::Postgres>,
+    sql: String,
+) -> Result<T, sqlx::Error>
+where
+    T: for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+{
+    use sqlx::Row;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .fetch_one(conn)
+        .await?
+        .try_get(0)
+}
+
+/// PostgreSQL's hooks use the simple query protocol only (no prepared
+/// statements), so the whole suite also runs through PgBouncer in
+/// transaction pooling mode, whatever its version.
 #[cfg(feature = "postgres")]
 impl ConformanceDb for sqlx::Postgres {
-    simple_queries!("SELECT qty FROM stock WHERE sku = $1");
-    order_statements!();
-
     const LABEL: &'static str = "postgres";
 
     async fn fresh() -> (Pool<Self>, Cleanup) {
@@ -216,6 +250,61 @@ impl ConformanceDb for sqlx::Postgres {
         server_database!(sqlx::PgConnection, pg_admin_url(), " WITH (FORCE)")
     }
 
+    async fn insert_order(
+        conn: &mut sqlx::PgConnection,
+        principal: &str,
+        amount: i64,
+    ) -> Result<i64, sqlx::Error> {
+        let sql = format!(
+            "INSERT INTO orders (principal, amount) VALUES ({}, {amount}) RETURNING id",
+            pg_lit(principal)
+        );
+        pg_scalar(conn, sql).await
+    }
+
+    async fn take_stock(
+        conn: &mut sqlx::PgConnection,
+        sku: &str,
+        qty: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = format!(
+            "UPDATE stock SET qty = qty - {qty} WHERE sku = {} AND qty >= {qty}",
+            pg_lit(sku)
+        );
+        let done = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn set_stock(pool: &Pool<Self>, sku: &str, qty: i64) {
+        let sql = format!(
+            "INSERT INTO stock (sku, qty) VALUES ({}, {qty}) ON CONFLICT (sku) DO UPDATE SET qty = {qty}",
+            pg_lit(sku)
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn stock(pool: &Pool<Self>, sku: &str) -> i64 {
+        let sql = format!("SELECT qty FROM stock WHERE sku = {}", pg_lit(sku));
+        pg_scalar(pool, sql).await.unwrap()
+    }
+
+    async fn count(pool: &Pool<Self>, sql: &'static str) -> i64 {
+        pg_scalar(pool, sql.to_string()).await.unwrap()
+    }
+
+    async fn exec(pool: &Pool<Self>, sql: &'static str) {
+        sqlx::raw_sql(sql).execute(pool).await.unwrap();
+    }
+
+    async fn exec_on(conn: &mut sqlx::PgConnection, sql: &'static str) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(sql).execute(conn).await.map(drop)
+    }
+
     async fn hold_claim(
         pool: &Pool<Self>,
         principal: &str,
@@ -223,19 +312,26 @@ impl ConformanceDb for sqlx::Postgres {
         key: &str,
     ) -> Transaction<'static, Self> {
         let mut tx = pool.begin().await.unwrap();
-        sqlx::query("INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) VALUES ($1, $2, $3, '\\x00', 'PROCESSING', 0, 9000000000000)")
-            .bind(principal).bind(operation).bind(key)
-            .execute(&mut *tx).await.unwrap();
+        let sql = format!(
+            "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
+             status, created_at, expires_at) VALUES ({}, {}, {}, '\\x00', 'PROCESSING', 0, 9000000000000)",
+            pg_lit(principal),
+            pg_lit(operation),
+            pg_lit(key)
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
         tx
     }
 
     async fn kill_own_connection(pool: &Pool<Self>, conn: &mut sqlx::PgConnection) -> bool {
-        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-            .fetch_one(&mut *conn)
+        let pid: i32 = pg_scalar(&mut *conn, "SELECT pg_backend_pid()".into())
             .await
             .unwrap();
-        sqlx::query("SELECT pg_terminate_backend($1)")
-            .bind(pid)
+        let sql = format!("SELECT pg_terminate_backend({pid})");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
             .execute(pool)
             .await
             .unwrap();
@@ -243,15 +339,15 @@ impl ConformanceDb for sqlx::Postgres {
     }
 
     async fn seed_expired(pool: &Pool<Self>, n: u32) {
-        sqlx::query(
+        let sql = format!(
             "INSERT INTO idempotency_records SELECT 'bulk', 'op', 'k' || g, '\\x00', \
-                     'SUCCEEDED', 201, NULL, 'stored response body', NULL, 0, 1 \
-                     FROM generate_series(1, $1) AS g",
-        )
-        .bind(i64::from(n))
-        .execute(pool)
-        .await
-        .unwrap();
+             'SUCCEEDED', 201, NULL, 'stored response body', NULL, 0, 1 \
+             FROM generate_series(1, {n}) AS g"
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(pool)
+            .await
+            .unwrap();
     }
 }
 

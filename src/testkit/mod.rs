@@ -45,7 +45,7 @@ use tower::ServiceExt;
 mod backends;
 pub mod cases;
 
-pub use backends::{Cleanup, mysql_admin_url, pg_admin_url};
+pub use backends::{Cleanup, mysql_admin_url, pg_admin_url, use_postgres_url};
 
 /// What the suite needs from a database besides the ledger: a fresh
 /// database, and the order-service statements the test app runs.
@@ -102,6 +102,9 @@ pub trait ConformanceDb: Backend + Sized {
     /// database allows.
     fn seed_expired(pool: &Pool<Self>, n: u32) -> impl Future<Output = ()> + Send;
 }
+
+/// The setup of a suite that needs none.
+pub fn no_setup() {}
 
 /// One case's world: a fresh database, an execution counter, the test app.
 pub struct Harness<DB: ConformanceDb> {
@@ -427,11 +430,16 @@ pub async fn send(app: &Router, req: Request<axum::body::Body>) -> Answer {
 
 /// Instantiates every conformance case as a `#[tokio::test]` in a module
 /// named `$name`, for the database type `$db` (which implements
-/// [`ConformanceDb`](crate::testkit::ConformanceDb)).
+/// [`ConformanceDb`](crate::testkit::ConformanceDb)). With `setup = f`,
+/// each case first calls the plain function `f()` (to start a proxy, say,
+/// and point the backend at it with [`use_postgres_url`]).
 #[macro_export]
 macro_rules! conformance_suite {
     ($name:ident, $db:ty) => {
-        $crate::__conformance_cases!($name, $db;
+        $crate::conformance_suite!($name, $db, setup = $crate::testkit::no_setup);
+    };
+    ($name:ident, $db:ty, setup = $setup:path) => {
+        $crate::__conformance_cases!($name, $db, $setup;
             first_request_commits_order_and_succeeded_row,
             retry_replays_byte_for_byte_without_executing,
             quoted_and_bare_key_are_the_same_key,
@@ -482,11 +490,12 @@ macro_rules! conformance_suite {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_cases {
-    ($name:ident, $db:ty; $($case:ident),* $(,)?) => {
+    ($name:ident, $db:ty, $setup:path; $($case:ident),* $(,)?) => {
         mod $name {
             $(
                 #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $case() {
+                    $setup();
                     let harness = $crate::testkit::Harness::<$db>::new().await;
                     $crate::testkit::cases::$case(harness).await;
                 }
