@@ -107,7 +107,9 @@ impl<DB: Backend> Sweeper<DB> {
     }
 
     /// How long tombstones are kept after their key expired. The default
-    /// is [`DEFAULT_TOMBSTONE_RETENTION`] (90 days).
+    /// is [`DEFAULT_TOMBSTONE_RETENTION`] (90 days). It is fixed for each
+    /// tombstone when a sweep makes it (its `expires_at` moves to the time
+    /// it may be purged).
     #[must_use]
     pub fn with_tombstone_retention(mut self, retention: Duration) -> Self {
         self.tombstone_retention = retention;
@@ -134,11 +136,11 @@ impl<DB: Backend> Sweeper<DB> {
             while report.batches < self.max_batches {
                 report.batches += 1;
                 let n = if expiring {
-                    let n = DB::expire_batch(&self.pool, now, self.batch_size).await?;
+                    let n = DB::expire_batch(&self.pool, now, keep, self.batch_size).await?;
                     report.expired += n;
                     n
                 } else {
-                    let n = DB::purge_batch(&self.pool, now, keep, self.batch_size).await?;
+                    let n = DB::purge_batch(&self.pool, now, self.batch_size).await?;
                     report.purged += n;
                     n
                 };

@@ -68,3 +68,46 @@ async fn bytes_per_ledger_row_on_postgres() {
         "{per_tombstone} bytes per tombstone"
     );
 }
+
+/// The completion (`PROCESSING` → `SUCCEEDED`) touches no indexed column,
+/// and the table leaves room on its pages: PostgreSQL records it as a
+/// heap-only (HOT) update, writing no index entries for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_are_hot_updates_on_postgres() {
+    use tower_idempotency::testkit::{Harness, order, send};
+    let h = Harness::<sqlx::Postgres>::new().await;
+    let app = h.app();
+    for i in 0..200 {
+        let a = send(
+            &app,
+            order(
+                Some("user-42"),
+                Some(&format!("hot-{i}")),
+                r#"{"amount":1}"#,
+            ),
+        )
+        .await;
+        assert_eq!(a.status, http::StatusCode::CREATED);
+    }
+    // Statistics reach the shared counters within a second or so.
+    let mut seen = (0, 0);
+    for _ in 0..50 {
+        seen = sqlx::query_as::<_, (i64, i64)>(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'idempotency_records'",
+        )
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+        if seen.0 >= 200 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let (updates, hot) = seen;
+    println!("ledger completions: {updates} updates, {hot} HOT");
+    assert!(updates >= 200, "{updates} updates counted");
+    assert!(
+        hot * 10 >= updates * 9,
+        "only {hot} of {updates} updates were HOT"
+    );
+}

@@ -333,22 +333,24 @@ pub trait Backend: Database {
     /// Turns at most `limit` terminal rows (`SUCCEEDED`, `FAILED_FINAL`) whose
     /// `expires_at` is at or before `now` (epoch milliseconds; `None`: the
     /// database's clock) into `EXPIRED` tombstones: response headers and
-    /// body dropped, scope, fingerprint and resource id kept. Never touches
-    /// `PROCESSING` or `NEEDS_RECONCILIATION` rows. One short statement;
-    /// returns the rows changed.
+    /// body dropped, scope, fingerprint and resource id kept, and
+    /// `expires_at` moved `keep_ms` later, to when the tombstone may be
+    /// purged (so the sweeper's range scans never wade through kept
+    /// tombstones). Never touches `PROCESSING` or `NEEDS_RECONCILIATION`
+    /// rows. One short statement; returns the rows changed.
     fn expire_batch(
         pool: &Pool<Self>,
         now: Option<i64>,
+        keep_ms: i64,
         limit: i64,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
-    /// Deletes at most `limit` tombstones whose `expires_at` is at least
-    /// `keep_ms` before `now` (`None`: the database's clock). One short
-    /// statement; returns the rows deleted.
+    /// Deletes at most `limit` tombstones whose (moved) `expires_at` is at
+    /// or before `now` (`None`: the database's clock). One short statement;
+    /// returns the rows deleted.
     fn purge_batch(
         pool: &Pool<Self>,
         now: Option<i64>,
-        keep_ms: i64,
         limit: i64,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
@@ -450,9 +452,11 @@ macro_rules! shared_statements {
         async fn expire_batch(
             pool: &sqlx::Pool<$db>,
             now: Option<i64>,
+            keep_ms: i64,
             limit: i64,
         ) -> Result<u64, sqlx::Error> {
             let done = sqlx::query($expire)
+                .bind(keep_ms)
                 .bind(now)
                 .bind(limit)
                 .execute(pool)
@@ -463,12 +467,10 @@ macro_rules! shared_statements {
         async fn purge_batch(
             pool: &sqlx::Pool<$db>,
             now: Option<i64>,
-            keep_ms: i64,
             limit: i64,
         ) -> Result<u64, sqlx::Error> {
             let done = sqlx::query($purge)
                 .bind(now)
-                .bind(keep_ms)
                 .bind(limit)
                 .execute(pool)
                 .await?;

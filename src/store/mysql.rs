@@ -29,6 +29,11 @@ const MIGRATIONS: &[Migration] = &[
         name: "byte_scopes_and_reconciliation",
         sql: include_str!("../../migrations/mysql/0002_byte_scopes_and_reconciliation.sql"),
     },
+    Migration {
+        version: 3,
+        name: "tombstone_purge_time",
+        sql: include_str!("../../migrations/mysql/0003_tombstone_purge_time.sql"),
+    },
 ];
 
 impl Backend for MySql {
@@ -215,8 +220,8 @@ impl Backend for MySql {
                   AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
         expire = concat!(
             "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
-             response_body = NULL WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') \
-             AND expires_at <= COALESCE(?, ",
+             response_body = NULL, expires_at = expires_at + ? \
+             WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= COALESCE(?, ",
             now_ms!(),
             ") LIMIT ?"
         ),
@@ -224,7 +229,7 @@ impl Backend for MySql {
             "DELETE FROM idempotency_records WHERE status = 'EXPIRED' \
              AND expires_at <= COALESCE(?, ",
             now_ms!(),
-            ") - ? LIMIT ?"
+            ") LIMIT ?"
         ),
     );
 

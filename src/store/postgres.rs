@@ -29,6 +29,11 @@ const MIGRATIONS: &[Migration] = &[
         name: "byte_scopes_and_reconciliation",
         sql: include_str!("../../migrations/postgres/0002_byte_scopes_and_reconciliation.sql"),
     },
+    Migration {
+        version: 3,
+        name: "hot_completion",
+        sql: include_str!("../../migrations/postgres/0003_hot_completion.sql"),
+    },
 ];
 
 impl Backend for Postgres {
@@ -65,12 +70,12 @@ impl Backend for Postgres {
         let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
         let sql = format!(
             "SET TRANSACTION ISOLATION LEVEL {}; \
-             SELECT set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true); \
-             SELECT set_config('lock_timeout', '{ms}ms', true); \
+             SELECT set_config('lock_timeout', '{ms}ms', true) FROM (SELECT \
+             set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true)) AS saved; \
              INSERT INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
-             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}); \
-             SELECT set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true); \
+             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}) \
+             RETURNING set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true); \
              BEGIN; SAVEPOINT {SAVEPOINT}",
             claim.isolation.as_sql(),
             text(claim.scope.principal),
@@ -260,11 +265,13 @@ impl Backend for Postgres {
     async fn expire_batch(
         pool: &Pool<Self>,
         now: Option<i64>,
+        keep_ms: i64,
         limit: i64,
     ) -> Result<u64, sqlx::Error> {
         let sql = format!(
             "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
-             response_body = NULL WHERE (principal_id, operation, idem_key) IN \
+             response_body = NULL, expires_at = expires_at + {keep_ms} \
+             WHERE (principal_id, operation, idem_key) IN \
              (SELECT principal_id, operation, idem_key FROM idempotency_records \
              WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= {} \
              LIMIT {limit} FOR UPDATE SKIP LOCKED)",
@@ -276,13 +283,12 @@ impl Backend for Postgres {
     async fn purge_batch(
         pool: &Pool<Self>,
         now: Option<i64>,
-        keep_ms: i64,
         limit: i64,
     ) -> Result<u64, sqlx::Error> {
         let sql = format!(
             "DELETE FROM idempotency_records WHERE (principal_id, operation, idem_key) IN \
              (SELECT principal_id, operation, idem_key FROM idempotency_records \
-             WHERE status = 'EXPIRED' AND expires_at <= {} - {keep_ms} \
+             WHERE status = 'EXPIRED' AND expires_at <= {} \
              LIMIT {limit} FOR UPDATE SKIP LOCKED)",
             now.map_or_else(|| now_ms!().to_string(), |n| n.to_string()),
         );

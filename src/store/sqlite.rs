@@ -27,6 +27,11 @@ const MIGRATIONS: &[Migration] = &[
         name: "byte_scopes_and_reconciliation",
         sql: include_str!("../../migrations/sqlite/0002_byte_scopes_and_reconciliation.sql"),
     },
+    Migration {
+        version: 3,
+        name: "tombstone_purge_time",
+        sql: include_str!("../../migrations/sqlite/0003_tombstone_purge_time.sql"),
+    },
 ];
 
 impl Backend for Sqlite {
@@ -178,7 +183,8 @@ impl Backend for Sqlite {
                   AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
         expire = concat!(
             "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
-             response_body = NULL WHERE rowid IN (SELECT rowid FROM idempotency_records \
+             response_body = NULL, expires_at = expires_at + ? \
+             WHERE rowid IN (SELECT rowid FROM idempotency_records \
              WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= COALESCE(?, ",
             now_ms!(),
             ") LIMIT ?)"
@@ -187,7 +193,7 @@ impl Backend for Sqlite {
             "DELETE FROM idempotency_records WHERE rowid IN (SELECT rowid FROM idempotency_records \
              WHERE status = 'EXPIRED' AND expires_at <= COALESCE(?, ",
             now_ms!(),
-            ") - ? LIMIT ?)"
+            ") LIMIT ?)"
         ),
     );
 

@@ -1297,7 +1297,7 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
     let pool = &pools[0];
     assert_eq!(
         DB::count(pool, "SELECT COUNT(*) FROM tower_idempotency_migrations").await,
-        2
+        3
     );
     assert_eq!(
         DB::count(
@@ -1305,7 +1305,7 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
             "SELECT MAX(version) FROM tower_idempotency_migrations"
         )
         .await,
-        2
+        3
     );
     assert_eq!(
         DB::count(
@@ -1329,7 +1329,7 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
     crate::migrate(pool).await.unwrap();
     assert_eq!(
         DB::count(pool, "SELECT COUNT(*) FROM tower_idempotency_migrations").await,
-        2
+        3
     );
     drop(h);
 }
