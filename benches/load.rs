@@ -33,6 +33,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Connection, Executor, PgConnection, Postgres};
 use tower_idempotency::{IdempotencyLayer, Principal, Tx};
 
+#[path = "../src/testkit/relay.rs"]
 mod relay;
 
 const PHASE: Duration = Duration::from_secs(3);
@@ -203,6 +204,25 @@ impl Run {
 
 static KEY_SEQ: AtomicU64 = AtomicU64::new(0);
 
+/// `POST /orders` with `body`, keyed as `keys` says.
+fn order_request(keys: Keys, body: &'static str) -> Request<Full<Bytes>> {
+    let mut req = Request::post("/orders")
+        .header("host", "bench")
+        .header("content-type", "application/json");
+    match keys {
+        Keys::None => {}
+        Keys::Unique => {
+            req = req.header(
+                "idempotency-key",
+                format!("k-{}", KEY_SEQ.fetch_add(1, Ordering::Relaxed)),
+            )
+        }
+        Keys::One => req = req.header("idempotency-key", "the-one-key"),
+    }
+    req.body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
+}
+
 /// `workers` keep-alive connections sending as fast as answers come back.
 async fn load(
     addr: std::net::SocketAddr,
@@ -230,22 +250,7 @@ async fn load(
                 while Instant::now() < deadline
                     && count.fetch_add(1, Ordering::Relaxed) < MAX_REQUESTS
                 {
-                    let mut req = Request::post("/orders")
-                        .header("host", "bench")
-                        .header("content-type", "application/json");
-                    match keys {
-                        Keys::None => {}
-                        Keys::Unique => {
-                            req = req.header(
-                                "idempotency-key",
-                                format!("k-{}", KEY_SEQ.fetch_add(1, Ordering::Relaxed)),
-                            )
-                        }
-                        Keys::One => req = req.header("idempotency-key", "the-one-key"),
-                    }
-                    let req = req
-                        .body(Full::new(Bytes::from_static(body.as_bytes())))
-                        .unwrap();
+                    let req = order_request(keys, body);
                     let t = Instant::now();
                     sender.ready().await.unwrap();
                     let res = sender.send_request(req).await.unwrap();
@@ -549,22 +554,7 @@ async fn load_n(
     tokio::spawn(conn);
     let mut statuses = std::collections::BTreeMap::new();
     for _ in 0..n {
-        let mut req = Request::post("/orders")
-            .header("host", "bench")
-            .header("content-type", "application/json");
-        match keys {
-            Keys::None => {}
-            Keys::Unique => {
-                req = req.header(
-                    "idempotency-key",
-                    format!("k-{}", KEY_SEQ.fetch_add(1, Ordering::Relaxed)),
-                )
-            }
-            Keys::One => req = req.header("idempotency-key", "the-one-key"),
-        }
-        let req = req
-            .body(Full::new(Bytes::from_static(body.as_bytes())))
-            .unwrap();
+        let req = order_request(keys, body);
         sender.ready().await.unwrap();
         let res = sender.send_request(req).await.unwrap();
         *statuses.entry(res.status().as_u16()).or_insert(0) += 1;

@@ -366,6 +366,20 @@ pub async fn migrate<DB: Backend>(pool: &Pool<DB>) -> Result<(), sqlx::Error> {
     DB::migrate(pool).await
 }
 
+/// The migrations of a backend, from its folder under `migrations/`:
+/// `migrations!("postgres", 1 => "0001_idempotency_records", …)`; the file
+/// stem is the name recorded with the version.
+macro_rules! migrations {
+    ($dir:literal, $($version:literal => $file:literal),+ $(,)?) => {
+        &[$($crate::store::Migration {
+            version: $version,
+            name: $file,
+            sql: include_str!(concat!("../../migrations/", $dir, "/", $file, ".sql")),
+        }),+]
+    };
+}
+use migrations;
+
 /// One versioned schema change.
 pub(crate) struct Migration {
     pub(crate) version: i64,

@@ -7,7 +7,7 @@ use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 use super::literal::hex;
 use super::{
     Backend, Claim, ClaimOutcome, Completion, Migration, RecordStatus, SAVEPOINT, Scope,
-    StoreErrorKind, generic_error_kind, run_migrations, shared_statements,
+    StoreErrorKind, generic_error_kind, migrations, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds, in UTC arithmetic only (no
@@ -18,23 +18,12 @@ macro_rules! now_ms {
     };
 }
 
-const MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        name: "idempotency_records",
-        sql: include_str!("../../migrations/mysql/0001_idempotency_records.sql"),
-    },
-    Migration {
-        version: 2,
-        name: "byte_scopes_and_reconciliation",
-        sql: include_str!("../../migrations/mysql/0002_byte_scopes_and_reconciliation.sql"),
-    },
-    Migration {
-        version: 3,
-        name: "tombstone_purge_time",
-        sql: include_str!("../../migrations/mysql/0003_tombstone_purge_time.sql"),
-    },
-];
+const MIGRATIONS: &[Migration] = migrations!(
+    "mysql",
+    1 => "0001_idempotency_records",
+    2 => "0002_byte_scopes_and_reconciliation",
+    3 => "0003_tombstone_purge_time",
+);
 
 impl Backend for MySql {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {

@@ -7,8 +7,8 @@ use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 use super::literal::hex;
 use super::{
     Backend, Claim, ClaimOutcome, Completion, Migration, Record, RecordStatus, SAVEPOINT, Scope,
-    StoreErrorKind, UnresolvedRecord, generic_error_kind, record_from_row, run_migrations,
-    unresolved_from_row,
+    StoreErrorKind, UnresolvedRecord, generic_error_kind, migrations, record_from_row,
+    run_migrations, unresolved_from_row,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).
@@ -18,23 +18,12 @@ macro_rules! now_ms {
     };
 }
 
-const MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        name: "idempotency_records",
-        sql: include_str!("../../migrations/postgres/0001_idempotency_records.sql"),
-    },
-    Migration {
-        version: 2,
-        name: "byte_scopes_and_reconciliation",
-        sql: include_str!("../../migrations/postgres/0002_byte_scopes_and_reconciliation.sql"),
-    },
-    Migration {
-        version: 3,
-        name: "hot_completion",
-        sql: include_str!("../../migrations/postgres/0003_hot_completion.sql"),
-    },
-];
+const MIGRATIONS: &[Migration] = migrations!(
+    "postgres",
+    1 => "0001_idempotency_records",
+    2 => "0002_byte_scopes_and_reconciliation",
+    3 => "0003_hot_completion",
+);
 
 impl Backend for Postgres {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
@@ -58,10 +47,14 @@ impl Backend for Postgres {
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
         // One round trip. The statements run in the implicit transaction of
         // a multi-statement query until `BEGIN` turns it into an explicit
-        // one that stays open for the handler. So a lost claim (the insert's
-        // unique violation), a lock timeout or a serialization failure rolls
+        // one that stays open for the handler. So a lost claim, a lock
+        // timeout or a serialization failure ends in an error that rolls
         // everything back and leaves the connection idle, as sqlx expects;
         // a won claim leaves it inside the transaction, past the savepoint.
+        // `ON CONFLICT DO NOTHING` finds a committed row without writing a
+        // tuple (a replay writes nothing); the division that follows fails
+        // only when nothing was inserted (`division_by_zero`, the one
+        // division in the statement), which is how a lost claim is told.
         // The lock wait is bounded for the insert only: the session's own
         // lock_timeout is remembered first and put back after it. Several
         // statements need the simple query protocol, which has no
@@ -72,10 +65,12 @@ impl Backend for Postgres {
             "SET TRANSACTION ISOLATION LEVEL {}; \
              SELECT set_config('lock_timeout', '{ms}ms', true) FROM (SELECT \
              set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true)) AS saved; \
-             INSERT INTO idempotency_records \
+             WITH claimed AS (INSERT INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
              VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}) \
-             RETURNING set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true); \
+             ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
+             RETURNING set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true)) \
+             SELECT 1 / (SELECT count(*) FROM claimed); \
              BEGIN; SAVEPOINT {SAVEPOINT}",
             claim.isolation.as_sql(),
             text(claim.scope.principal),
@@ -92,11 +87,9 @@ impl Backend for Postgres {
         .await;
         match claimed {
             Ok(tx) => Ok(ClaimOutcome::Won(tx)),
-            // The driver's own signal, never a parsed message.
-            Err(e)
-                if e.as_database_error()
-                    .is_some_and(|d| d.is_unique_violation()) =>
-            {
+            // division_by_zero: nothing was inserted, a committed row holds
+            // the scope.
+            Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("22012") => {
                 Ok(ClaimOutcome::Lost)
             }
             Err(e) => Err(e),

@@ -6,7 +6,7 @@ use sqlx::{Pool, SqlSafeStr, Transaction};
 
 use super::{
     Backend, Claim, ClaimOutcome, Completion, Migration, RecordStatus, Scope, StoreErrorKind,
-    generic_error_kind, run_migrations, shared_statements,
+    generic_error_kind, migrations, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
@@ -16,23 +16,12 @@ macro_rules! now_ms {
     };
 }
 
-const MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        name: "idempotency_records",
-        sql: include_str!("../../migrations/sqlite/0001_idempotency_records.sql"),
-    },
-    Migration {
-        version: 2,
-        name: "byte_scopes_and_reconciliation",
-        sql: include_str!("../../migrations/sqlite/0002_byte_scopes_and_reconciliation.sql"),
-    },
-    Migration {
-        version: 3,
-        name: "tombstone_purge_time",
-        sql: include_str!("../../migrations/sqlite/0003_tombstone_purge_time.sql"),
-    },
-];
+const MIGRATIONS: &[Migration] = migrations!(
+    "sqlite",
+    1 => "0001_idempotency_records",
+    2 => "0002_byte_scopes_and_reconciliation",
+    3 => "0003_tombstone_purge_time",
+);
 
 impl Backend for Sqlite {
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {

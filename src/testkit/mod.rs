@@ -44,6 +44,7 @@ use tower::ServiceExt;
 
 mod backends;
 pub mod cases;
+pub mod relay;
 
 pub use backends::{Cleanup, mysql_admin_url, pg_admin_url, use_postgres_url};
 

@@ -15,7 +15,9 @@ use std::time::Duration;
 
 /// A running relay; dropping it stops accepting (open connections end
 /// with their peers).
+#[derive(Debug)]
 pub struct Relay {
+    /// Where clients connect instead of the database.
     pub addr: SocketAddr,
     round_trips: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,

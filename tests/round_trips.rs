@@ -1,0 +1,168 @@
+//! Issue 10's target, held by a test: a first execution through the layer
+//! costs exactly the round trips of the bare transaction on PostgreSQL, a
+//! final business error no more, and a replay fewer. On MySQL two more: the
+//! claim cannot ride with the transaction's start (an error does not end a
+//! MySQL transaction), and sqlx's check of a returned connection sends the
+//! rollback of the empty transaction left after the folded `COMMIT` in a
+//! round trip of its own (off the request's path); a replay there is the
+//! transaction's start, the insert that meets the row, its rollback and the
+//! read. Counted by a TCP
+//! relay between a one-connection pool and the server, which does not
+//! depend on machine noise.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use http::{Request, Response, StatusCode};
+use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency::testkit::ConformanceDb;
+use tower_idempotency::testkit::relay::Relay;
+use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Principal, Tx};
+
+/// The URL of `url`'s database through `relay`.
+fn via(url: &str, relay: &Relay) -> String {
+    let (scheme_user, rest) = url.split_once('@').unwrap();
+    let db = rest.split_once('/').map_or("", |(_, db)| db);
+    format!("{scheme_user}@{}/{db}", relay.addr)
+}
+
+fn upstream(url: &str) -> std::net::SocketAddr {
+    let hostport = url.split_once('@').unwrap().1.split('/').next().unwrap();
+    std::net::ToSocketAddrs::to_socket_addrs(hostport)
+        .unwrap()
+        .next()
+        .unwrap()
+}
+
+/// Round trips per request: the bare transaction, a first execution, a
+/// final business error, a replay.
+macro_rules! count {
+    ($db:ty, $schema:expr, $statements:expr) => {{
+        let (url, _drop) = <$db as ConformanceDb>::fresh_url().await;
+        let direct = sqlx::pool::PoolOptions::<$db>::new()
+            .max_connections(1)
+            .connect(&url)
+            .await
+            .unwrap();
+        tower_idempotency::migrate(&direct).await.unwrap();
+        sqlx::raw_sql($schema).execute(&direct).await.unwrap();
+        direct.close().await;
+        let relay = Relay::start(upstream(&url), Duration::ZERO);
+        let pool = sqlx::pool::PoolOptions::<$db>::new()
+            .max_connections(1)
+            .connect(&via(&url, &relay))
+            .await
+            .unwrap();
+        // The same three business statements, bare or on the claimed
+        // transaction; `short` makes the last one a final business error.
+        let statements: [&'static str; 3] = $statements;
+        let service = {
+            let layer = IdempotencyLayer::new(pool.clone()).unscoped();
+            ServiceBuilder::new().layer(layer).service_fn(
+                move |req: Request<IdempotencyBody<String>>| async move {
+                    let short = req.uri().path() == "/short";
+                    let tx = req.extensions().get::<Tx<$db>>().cloned().unwrap();
+                    let mut conn = tx.lock().unwrap();
+                    for sql in statements {
+                        sqlx::raw_sql(sql).execute(&mut *conn).await.unwrap();
+                    }
+                    let status = if short { 409 } else { 201 };
+                    Ok::<_, Infallible>(
+                        Response::builder()
+                            .status(status)
+                            .body(String::new())
+                            .unwrap(),
+                    )
+                },
+            )
+        };
+        let call = |path: &'static str, key: String| {
+            let service = service.clone();
+            async move {
+                let mut req = Request::post(path)
+                    .header("idempotency-key", key)
+                    .body(String::new())
+                    .unwrap();
+                req.extensions_mut().insert(Principal::new("p"));
+                let res = service.oneshot(req).await.unwrap();
+                res.status()
+            }
+        };
+        const N: u64 = 20;
+        let settle = || tokio::time::sleep(Duration::from_millis(50));
+        // Warm the one connection, then count each scenario.
+        call("/orders", "warm".into()).await;
+        settle().await;
+        let mut counts = Vec::new();
+        for scenario in ["bare", "first", "final", "replay"] {
+            let before = relay.round_trips();
+            for i in 0..N {
+                match scenario {
+                    "bare" => {
+                        let mut tx = pool.begin().await.unwrap();
+                        for sql in statements {
+                            sqlx::raw_sql(sql).execute(&mut *tx).await.unwrap();
+                        }
+                        tx.commit().await.unwrap();
+                    }
+                    "first" => {
+                        assert_eq!(call("/orders", format!("k-{i}")).await, StatusCode::CREATED)
+                    }
+                    "final" => {
+                        assert_eq!(call("/short", format!("s-{i}")).await, StatusCode::CONFLICT)
+                    }
+                    _ => assert_eq!(call("/orders", "k-0".into()).await, StatusCode::CREATED),
+                }
+                settle().await;
+            }
+            let per = (relay.round_trips() - before) as f64 / N as f64;
+            println!(
+                "[{}] {scenario}: {per:.2} round trips per request",
+                <$db as ConformanceDb>::LABEL
+            );
+            counts.push(per);
+        }
+        counts
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_first_execution_costs_the_bare_round_trips() {
+    let c = count!(
+        sqlx::Postgres,
+        "CREATE TABLE t (id BIGSERIAL PRIMARY KEY, v INT); CREATE TABLE s (k INT PRIMARY KEY, n INT); INSERT INTO s VALUES (1, 1000000);",
+        [
+            "INSERT INTO t (v) VALUES (1)",
+            "INSERT INTO t (v) VALUES (2)",
+            "UPDATE s SET n = n - 1 WHERE k = 1"
+        ]
+    );
+    let (bare, first, fin, replay) = (c[0], c[1], c[2], c[3]);
+    assert_eq!(first, bare, "a first execution costs the bare round trips");
+    assert!(fin <= bare, "a final business error: {fin} > {bare}");
+    assert!(replay < bare, "a replay: {replay} >= {bare}");
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_first_execution_costs_two_round_trips_more() {
+    let c = count!(
+        sqlx::MySql,
+        "CREATE TABLE t (id BIGINT AUTO_INCREMENT PRIMARY KEY, v INT) ENGINE = InnoDB; \
+         CREATE TABLE s (k INT PRIMARY KEY, n INT) ENGINE = InnoDB; INSERT INTO s VALUES (1, 1000000);",
+        [
+            "INSERT INTO t (v) VALUES (1)",
+            "INSERT INTO t (v) VALUES (2)",
+            "UPDATE s SET n = n - 1 WHERE k = 1"
+        ]
+    );
+    let (bare, first, fin, replay) = (c[0], c[1], c[2], c[3]);
+    assert_eq!(
+        first,
+        bare + 2.0,
+        "the claim's and the return's round trips on MySQL"
+    );
+    assert!(fin <= bare + 2.0, "a final business error: {fin}");
+    // Begin, the insert that meets the row, its rollback, the read.
+    assert!(replay <= bare + 1.1, "a replay: {replay}");
+}
