@@ -24,6 +24,9 @@ pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// The longest tombstone retention applied: 10 000 years, "forever".
+const MAX_KEEP_MS: i64 = 10_000 * 366 * 24 * 3600 * 1000;
+
 /// A tombstone, or a terminal row whose retention has ended on the
 /// database's clock.
 pub(crate) fn is_expired(record: &Record) -> bool {
@@ -43,14 +46,17 @@ pub const DEFAULT_TOMBSTONE_RETENTION: Duration = Duration::from_secs(90 * 24 * 
 /// - A terminal row (`SUCCEEDED`, `FAILED_FINAL`) past its `expires_at`
 ///   becomes an `EXPIRED` tombstone: the response is dropped; the scope,
 ///   fingerprint and resource id stay, so the key is still refused (`410`).
-/// - A tombstone is deleted once `expires_at` is older than the tombstone
-///   retention (90 days by default). Only then may the key be used again,
-///   as a new request: keep it longer than any client could retry.
-/// - `PROCESSING` rows are never touched by time alone.
+/// - A tombstone is deleted once the tombstone retention (90 days by
+///   default) has passed since its key expired: the sweep that makes the
+///   tombstone moves its `expires_at` to that purge time. Only then may the
+///   key be used again, as a new request: keep it longer than any client
+///   could retry.
+/// - `PROCESSING` and `NEEDS_RECONCILIATION` rows are never touched by
+///   time alone.
 ///
 /// Work is done in batches of one short statement each (1 000 rows by
-/// default, 10 ms apart) through the `(status, expires_at)` index, so a sweep
-/// never holds long locks and claims run between batches.
+/// default, 10 ms apart) through the expiry index, so a sweep never holds
+/// long locks and claims run between batches.
 #[derive(Debug, Clone)]
 pub struct Sweeper<DB: Backend> {
     pool: Pool<DB>,
@@ -129,7 +135,8 @@ impl<DB: Backend> Sweeper<DB> {
     }
 
     async fn sweep_until(&self, now: Option<i64>) -> Result<SweepReport, sqlx::Error> {
-        let keep = millis(self.tombstone_retention);
+        // Capped at 10 000 years, so `expires_at + keep` fits the column.
+        let keep = millis(self.tombstone_retention).min(MAX_KEEP_MS);
         let mut report = SweepReport::default();
         // Expire first, then purge; each phase until a short batch.
         for expiring in [true, false] {

@@ -270,6 +270,11 @@ pub trait Backend: Database {
     /// that final business errors roll back to. Waits for another claimer's
     /// uncommitted row at most about `claim.lock_wait`, then fails with an
     /// error of kind [`StoreErrorKind::LockTimeout`].
+    ///
+    /// Not cancellation-safe: a future dropped while the claim's statements
+    /// are on the wire can leave the connection inside a transaction that
+    /// sqlx does not count. The layer runs each claim as a task of its own,
+    /// which finishes (within its lock wait) whatever becomes of the request.
     fn claim(
         conn: PoolConnection<Self>,
         claim: &Claim<'_>,

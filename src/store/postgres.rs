@@ -296,8 +296,9 @@ impl Backend for Postgres {
             return StoreErrorKind::Other;
         };
         match &*code {
-            // lock_not_available: our lock_timeout fired.
-            "55P03" => StoreErrorKind::LockTimeout,
+            // lock_not_available: our lock_timeout fired; query_canceled:
+            // the application's own statement_timeout fired first.
+            "55P03" | "57014" => StoreErrorKind::LockTimeout,
             // serialization_failure, deadlock_detected
             "40001" | "40P01" => StoreErrorKind::Conflict,
             // invalid_savepoint_specification, no_active_sql_transaction

@@ -694,6 +694,23 @@ pub async fn sweep_tombstones_expired_rows_and_purges_them_later<DB: Conformance
     assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
     assert_eq!(h.ledger_with("PROCESSING").await, 1);
     assert_eq!(h.orders().await, 2, "sweeping never touches business rows");
+    // "Keep tombstones forever" works: the purge time does not overflow.
+    DB::exec(
+        &h.pool,
+        "UPDATE idempotency_records SET expires_at = 1 WHERE idem_key = 'k2'",
+    )
+    .await;
+    let forever = Sweeper::new(h.pool.clone()).with_tombstone_retention(Duration::MAX);
+    let report = forever.sweep().await.unwrap();
+    assert_eq!((report.expired, report.purged), (1, 0));
+    assert_eq!(
+        forever
+            .sweep_at(now + 5_000 * 365 * day)
+            .await
+            .unwrap()
+            .purged,
+        0
+    );
 }
 
 /// Issue 5: a claim runs while a sweep of 100 000 rows is under way.
