@@ -1,0 +1,314 @@
+//! What an existing record means for a request (the decision table), and
+//! taking the claim: bounded waits, waiter permits, the claim's own task.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use sqlx::Transaction;
+
+use super::{Answer, IdempotencyOutcome, Identity, Run, add_expiry, refusal, store_problem};
+use crate::expiry::{is_expired, millis};
+use crate::problem::{Problem, ProblemKind};
+use crate::replay::StoredResponse;
+use crate::store::{
+    Backend, Claim, ClaimOutcome, IsolationLevel, Record, RecordStatus, Scope, StoreErrorKind,
+};
+
+/// The outcome of the claim stage.
+pub(super) enum Claimed<DB: Backend> {
+    /// This request owns the scope; the transaction is past its savepoint.
+    Won(Transaction<'static, DB>),
+    /// Answer without running the handler.
+    Answer(Answer),
+}
+
+/// Why one claim attempt did not settle the request.
+pub(super) enum Pending {
+    /// Another request holds the key.
+    InFlight,
+    /// The key is taken but its record could not be read.
+    Unconfirmed,
+}
+
+/// The first attempt of a request not known to be a duplicate waits this
+/// long at most on another claimer's row; longer waits need a waiter permit.
+const PROBE_WAIT: Duration = Duration::from_millis(50);
+
+/// A read of the ledger gets at least this long, even when the wait budget
+/// is spent: a lost claim must still be explained.
+pub(super) const MIN_READ_WAIT: Duration = Duration::from_millis(250);
+
+impl<DB: Backend> Run<DB> {
+    /// Claims the scope, or finds the answer a retry gets: at most the
+    /// configured attempts, all before `deadline`.
+    pub(super) async fn claim(
+        &self,
+        id: &Identity<'_>,
+        duplicate: bool,
+        deadline: Instant,
+    ) -> Claimed<DB> {
+        let cfg = &self.config;
+        let mut attempts = 0;
+        // Claim first by default: a first execution then costs no read. A
+        // known duplicate, and every retry after a contended attempt, reads
+        // first.
+        let mut read_first = cfg.read_first || duplicate;
+        // A request known to wait on another request's claim holds one of
+        // the layer's waiter permits while it holds a connection to wait. (A
+        // duplicate whose local leader has answered waits on nobody.)
+        let mut waiting = false;
+        let pending = loop {
+            attempts += 1;
+            if read_first {
+                match self.lookup(id, deadline).await {
+                    Ok(Some(answer)) => return Claimed::Answer(with_attempts(answer, attempts)),
+                    Ok(None) => {}
+                    Err(e) => return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts)),
+                }
+            }
+            read_first = true;
+            let contended = waiting || duplicate;
+            let pending = match self
+                .try_claim(id, deadline, (waiting, contended), attempts)
+                .await
+            {
+                Ok(Attempt::Won(tx)) => return Claimed::Won(tx),
+                Ok(Attempt::NoPermit) => break Pending::InFlight,
+                // Lost to a committed row (or, above READ COMMITTED, to a
+                // concurrent claim): a fresh read explains it.
+                Ok(Attempt::Lost) => match self.lookup(id, deadline).await {
+                    Ok(Some(answer)) => return Claimed::Answer(with_attempts(answer, attempts)),
+                    Ok(None) => Pending::Unconfirmed,
+                    Err(e) => return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts)),
+                },
+                Ok(Attempt::Blocked) => {
+                    waiting = true;
+                    Pending::InFlight
+                }
+                Err(e) => return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts)),
+            };
+            if attempts >= cfg.claim_attempts {
+                break pending;
+            }
+            let delay = backoff(attempts);
+            if Instant::now() + delay >= deadline {
+                break pending;
+            }
+            tokio::time::sleep(delay).await;
+        };
+        Claimed::Answer(self.pending(pending, attempts))
+    }
+
+    /// The `409` for a request that could not settle within its bounds.
+    pub(super) fn pending(&self, pending: Pending, attempts: u32) -> Answer {
+        let (kind, detail) = match pending {
+            Pending::Unconfirmed => (
+                ProblemKind::Unconfirmed,
+                "the Idempotency-Key is taken but its record could not be read; retry with the same key",
+            ),
+            Pending::InFlight => (
+                ProblemKind::InFlight,
+                "a request with this Idempotency-Key is still being processed; retry with the same key later",
+            ),
+        };
+        let retry_after = self.config.in_flight_wait.as_secs().max(1);
+        refusal(
+            Problem::new(kind, detail).retry_after(retry_after),
+            attempts,
+        )
+    }
+
+    /// One claim attempt, on a connection acquired within the deadline. The
+    /// claim itself runs as its own task, so a response future dropped
+    /// mid-claim can never return a connection to the pool halfway through
+    /// the claim's statements: the task finishes (within its lock wait) and
+    /// rolls back.
+    async fn try_claim(
+        &self,
+        id: &Identity<'_>,
+        deadline: Instant,
+        (waiting, contended): (bool, bool),
+        attempts: u32,
+    ) -> Result<Attempt<DB>, sqlx::Error> {
+        let cfg = &self.config;
+        let permit = if waiting {
+            match Arc::clone(&cfg.waiters).try_acquire_owned() {
+                Ok(permit) => Some(permit),
+                Err(_) => return Ok(Attempt::NoPermit),
+            }
+        } else {
+            None
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        let conn = match tokio::time::timeout(left, self.pool.acquire()).await {
+            Ok(conn) => conn?,
+            // No connection within what is left of the wait budget: for a
+            // request that met another one with its key, still in flight.
+            Err(_) if contended => return Ok(Attempt::NoPermit),
+            Err(_) => return Err(sqlx::Error::PoolTimedOut),
+        };
+        // The rest of the budget, shared by the attempts still allowed; a
+        // request not yet known to wait only probes.
+        let left = deadline.saturating_duration_since(Instant::now());
+        let share = left / (cfg.claim_attempts.saturating_sub(attempts) + 1);
+        let lock_wait = if waiting {
+            share
+        } else {
+            share.min(PROBE_WAIT)
+        }
+        .max(Duration::from_millis(1));
+        let owned = OwnedClaim {
+            principal: id.scope.principal.to_owned(),
+            operation: id.scope.operation.to_owned(),
+            key: id.scope.key.to_owned(),
+            fingerprint: *id.fingerprint.as_bytes(),
+            retention_ms: millis(cfg.retention),
+            lock_wait,
+            isolation: cfg.isolation,
+        };
+        let task = tokio::spawn(async move {
+            let _permit = permit;
+            DB::claim(conn, &owned.as_claim()).await
+        });
+        let outcome = match task.await {
+            Ok(outcome) => outcome,
+            // The claim task panicked (a driver bug): its connection is gone.
+            Err(_) => return Err(sqlx::Error::WorkerCrashed),
+        };
+        match outcome {
+            Ok(ClaimOutcome::Won(tx)) => Ok(Attempt::Won(tx)),
+            Ok(ClaimOutcome::Lost) => Ok(Attempt::Lost),
+            Err(e) => match DB::error_kind(&e) {
+                StoreErrorKind::LockTimeout => Ok(Attempt::Blocked),
+                StoreErrorKind::Conflict => Ok(Attempt::Lost),
+                _ => Err(e),
+            },
+        }
+    }
+
+    /// Reads the committed record and decides what it means for `id`;
+    /// `None` when there is no committed record.
+    pub(super) async fn lookup(
+        &self,
+        id: &Identity<'_>,
+        deadline: Instant,
+    ) -> Result<Option<Answer>, sqlx::Error> {
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .max(MIN_READ_WAIT);
+        let record = match tokio::time::timeout(wait, DB::fetch(&self.pool, &id.scope)).await {
+            Ok(record) => record?,
+            Err(_) => return Err(sqlx::Error::PoolTimedOut),
+        };
+        Ok(record.map(|record| self.judge(&record, id)))
+    }
+
+    /// The decision table for a committed record. Expiry first: a key past
+    /// its retention is never executed again, whatever the payload.
+    fn judge(&self, record: &Record, id: &Identity<'_>) -> Answer {
+        if is_expired(record) {
+            let detail = "this Idempotency-Key's retention has ended; the original request is not executed again. Look the resource up, or send a new key for a new operation";
+            let link = match (&record.resource_id, &self.config.resource_link) {
+                (Some(id), Some(link)) => Some(link(id)),
+                _ => None,
+            };
+            return refusal(
+                Problem::new(ProblemKind::Expired, detail)
+                    .resource(record.resource_id.clone(), link),
+                1,
+            );
+        }
+        if record.fingerprint != id.fingerprint.as_bytes() {
+            let detail = "this Idempotency-Key was already used with a different request; use a new key for a different operation";
+            return refusal(
+                Problem::new(ProblemKind::KeyReused, detail).status(self.config.mismatch_status),
+                1,
+            );
+        }
+        match (record.status, record.response_status) {
+            (RecordStatus::Succeeded | RecordStatus::FailedFinal, Some(status)) => {
+                let stored = StoredResponse {
+                    status: u16::try_from(status).unwrap_or(500),
+                    headers: record.response_headers.clone().unwrap_or_default(),
+                    body: Bytes::from(record.response_body.clone().unwrap_or_default()),
+                };
+                let mut res = stored.to_response(self.config.replayed_header);
+                add_expiry(res.headers_mut(), record.expires_at);
+                (res, IdempotencyOutcome::Replayed)
+            }
+            // A committed PROCESSING row: in this mode rows are PROCESSING
+            // only inside their own transaction, so the handler ended that
+            // transaction itself and nobody knows what took effect.
+            _ => {
+                let detail = "the outcome of the first request with this Idempotency-Key is unknown; it is not executed again until it has been reconciled. Retry later with the same key";
+                refusal(
+                    Problem::new(ProblemKind::Reconciling, detail).retry_after(RECONCILING_RETRY),
+                    1,
+                )
+            }
+        }
+    }
+}
+
+/// What one claim attempt found.
+enum Attempt<DB: Backend> {
+    Won(Transaction<'static, DB>),
+    /// A committed row holds the scope.
+    Lost,
+    /// Another claimer's uncommitted row held the scope past the lock wait.
+    Blocked,
+    /// No waiter permit (or no connection) left for a request that waits.
+    NoPermit,
+}
+
+/// The claim's values, owned by the task that runs the claim.
+struct OwnedClaim {
+    principal: String,
+    operation: String,
+    key: String,
+    fingerprint: [u8; 32],
+    retention_ms: i64,
+    lock_wait: Duration,
+    isolation: IsolationLevel,
+}
+
+impl OwnedClaim {
+    fn as_claim(&self) -> Claim<'_> {
+        Claim {
+            scope: Scope {
+                principal: &self.principal,
+                operation: &self.operation,
+                key: &self.key,
+            },
+            fingerprint: &self.fingerprint,
+            retention_ms: self.retention_ms,
+            lock_wait: self.lock_wait,
+            isolation: self.isolation,
+        }
+    }
+}
+
+/// How soon a retry of a key awaiting reconciliation is worth it, seconds.
+const RECONCILING_RETRY: u64 = 30;
+
+fn with_attempts((res, outcome): Answer, attempts: u32) -> Answer {
+    let outcome = match outcome {
+        IdempotencyOutcome::Refused { problem, .. } => {
+            IdempotencyOutcome::Refused { problem, attempts }
+        }
+        other => other,
+    };
+    (res, outcome)
+}
+
+/// Exponential backoff from 25 ms, capped at 1 s, with up to 50 % jitter so
+/// contending retries spread out.
+fn backoff(attempt: u32) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let base = 25u64.saturating_mul(1 << attempt.min(6)).min(1000);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(attempt);
+    let jitter = h.finish() % (base / 2 + 1);
+    Duration::from_millis(base / 2 + jitter)
+}

@@ -1,0 +1,231 @@
+//! Running the handler on the claimed transaction, and keeping what its
+//! answer says to keep.
+
+use std::panic::resume_unwind;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use sqlx::Transaction;
+use tower_service::Service;
+
+use super::claim::MIN_READ_WAIT;
+use super::{
+    BoxError, CatchUnwind, IdempotencyOutcome, Identity, Run, add_expiry, buffered, refuse,
+    store_problem,
+};
+use crate::body::IdempotencyBody;
+use crate::classify::{Classification, ResourceId};
+use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, millis};
+use crate::observe;
+use crate::problem::{Problem, ProblemKind};
+use crate::replay::StoredResponse;
+use crate::store::{Backend, Claim, Completion, RecordStatus, StoreErrorKind};
+use crate::tx::Tx;
+
+impl<DB: Backend> Run<DB> {
+    /// Runs the handler on the claimed transaction and keeps what its answer
+    /// says to keep.
+    pub(super) async fn execute<S, ReqBody, ResBody>(
+        &self,
+        mut inner: S,
+        id: &Identity<'_>,
+        tx: Transaction<'static, DB>,
+        parts: Parts,
+        body: Bytes,
+    ) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
+    where
+        S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>,
+        ResBody: Body<Data = Bytes>,
+        ResBody::Error: Into<BoxError>,
+    {
+        let handle = Tx::new(tx);
+        let mut req = Request::from_parts(parts, IdempotencyBody::buffered(body));
+        req.extensions_mut().insert(handle.clone());
+        let handling = Instant::now();
+        let result = CatchUnwind {
+            inner: inner.call(req),
+        }
+        .await;
+        observe::timing("handler_ms", handling.elapsed());
+        let tx = handle.take();
+        drop(handle);
+        let res = match result {
+            Err(panic) => {
+                self.abandon(tx, id, 500).await;
+                resume_unwind(panic);
+            }
+            Ok(Err(e)) => {
+                self.abandon(tx, id, 500).await;
+                return Err(e);
+            }
+            Ok(Ok(res)) => res,
+        };
+        let Some(tx) = tx else {
+            // The handler still holds the transaction: it rolls back when the
+            // handler lets go, and nothing may be recorded.
+            let detail = "the handler kept the idempotency transaction after answering; nothing was committed";
+            return Ok(refuse(
+                Problem::new(ProblemKind::TransactionHeld, detail),
+                1,
+            ));
+        };
+        let (res_parts, res_body) = res.into_parts();
+        let handler_status = i32::from(res_parts.status.as_u16());
+        let body = match Limited::new(res_body, self.config.max_response_body)
+            .collect()
+            .await
+        {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) => {
+                if self.abandon(Some(tx), id, handler_status).await {
+                    return Ok(transaction_ended());
+                }
+                let (kind, detail) = if e.downcast_ref::<LengthLimitError>().is_some() {
+                    (
+                        ProblemKind::ResponseTooLarge,
+                        "the response was larger than the recording limit; nothing was committed",
+                    )
+                } else {
+                    (
+                        ProblemKind::ResponseUnreadable,
+                        "the response body failed while being recorded; nothing was committed",
+                    )
+                };
+                return Ok(refuse(Problem::new(kind, detail), 1));
+            }
+        };
+        let class = res_parts
+            .extensions
+            .get::<Classification>()
+            .copied()
+            .unwrap_or_else(|| Classification::from_status(res_parts.status));
+        let outcome = IdempotencyOutcome::Executed(class);
+        let status = match class {
+            Classification::Success => RecordStatus::Succeeded,
+            Classification::FinalFailure => RecordStatus::FailedFinal,
+            Classification::Rejected | Classification::Transient => {
+                if self.abandon(Some(tx), id, handler_status).await {
+                    return Ok(transaction_ended());
+                }
+                return Ok(buffered(Response::from_parts(res_parts, body), outcome));
+            }
+        };
+        let stored = StoredResponse::capture(
+            res_parts.status,
+            &res_parts.headers,
+            &self.config.recorded_headers,
+            body,
+        );
+        // An id the ledger's column cannot hold (over 255 bytes, or a NUL)
+        // is not recorded: the answer still is.
+        let resource_id = res_parts
+            .extensions
+            .get::<ResourceId>()
+            .map(ResourceId::as_str)
+            .filter(|id| id.len() <= 255 && !id.contains('\0'));
+        let completion = Completion {
+            status,
+            response_status: i32::from(stored.status),
+            response_headers: &stored.headers,
+            response_body: &stored.body,
+            resource_id,
+        };
+        let committing = Instant::now();
+        let finished = DB::finish(tx, &id.scope, &completion).await;
+        observe::timing("commit_ms", committing.elapsed());
+        let respond = |body: Bytes, expires_at: Option<i64>| {
+            let mut res = Response::from_parts(res_parts, body);
+            if let Some(expires_at) = expires_at {
+                add_expiry(res.headers_mut(), expires_at);
+            }
+            Ok(buffered(res, outcome))
+        };
+        match finished {
+            Ok(expires_at) => respond(stored.body, Some(expires_at)),
+            Err(e) => match DB::error_kind(&e) {
+                StoreErrorKind::TransactionEnded => {
+                    self.strand(id, handler_status).await;
+                    Ok(transaction_ended())
+                }
+                StoreErrorKind::ConnectionLost => {
+                    // The commit may or may not have landed: ask the ledger.
+                    let deadline = Instant::now() + MIN_READ_WAIT;
+                    match self.lookup(id, deadline).await {
+                        Ok(Some((replay, IdempotencyOutcome::Replayed))) => {
+                            let expires_at = replay.headers().get(IDEMPOTENCY_KEY_EXPIRES).cloned();
+                            let mut res = respond(stored.body, None);
+                            if let (Ok(res), Some(value)) = (&mut res, expires_at) {
+                                res.headers_mut().insert(IDEMPOTENCY_KEY_EXPIRES, value);
+                            }
+                            res
+                        }
+                        _ => {
+                            let detail = "the connection was lost while committing and the ledger shows no commit; retry with the same key";
+                            let problem =
+                                Problem::new(ProblemKind::CommitUnknown, detail).retry_after(1);
+                            Ok(refuse(problem, 1))
+                        }
+                    }
+                }
+                _ => Ok(refuse(store_problem::<DB>(&e), 1)),
+            },
+        }
+    }
+
+    /// Rolls the claimed transaction back and waits for it, so the key's row
+    /// lock is released before the answer leaves (a queued rollback could
+    /// leave the next retry waiting). Returns `true` when the handler had
+    /// ended the transaction itself: the key is then marked for
+    /// reconciliation.
+    async fn abandon(
+        &self,
+        tx: Option<Transaction<'static, DB>>,
+        id: &Identity<'_>,
+        handler_status: i32,
+    ) -> bool {
+        let Some(mut tx) = tx else { return false };
+        let ended = DB::check_savepoint(&mut tx)
+            .await
+            .is_err_and(|e| DB::error_kind(&e) == StoreErrorKind::TransactionEnded);
+        // A failed rollback means a lost connection: the server aborts the
+        // transaction itself.
+        let _ = tx.rollback().await;
+        if ended {
+            self.strand(id, handler_status).await;
+        }
+        ended
+    }
+
+    /// The handler ended the claimed transaction itself: whatever it
+    /// committed stays (with the `PROCESSING` row, after a `COMMIT`; without
+    /// it, after a `ROLLBACK` followed by more writes). Hold the key so that
+    /// it answers "outcome unknown" until an operator resolves it: the
+    /// committed row is marked, a missing one inserted. Between the
+    /// handler's own `ROLLBACK` and this, the key was unprotected: a
+    /// handler must never end the layer's transaction.
+    async fn strand(&self, id: &Identity<'_>, handler_status: i32) {
+        let claim = Claim {
+            scope: id.scope,
+            fingerprint: id.fingerprint.as_bytes(),
+            retention_ms: millis(self.config.retention),
+            lock_wait: Duration::ZERO,
+            isolation: self.config.isolation,
+        };
+        let marked = DB::mark_unresolved(&self.pool, &claim, handler_status).await;
+        tracing::error!(
+            handler_status,
+            marked = marked.is_ok(),
+            "the handler ended the claimed transaction itself (COMMIT, ROLLBACK or DDL); \
+             what it committed is kept and the key needs reconciliation"
+        );
+    }
+}
+
+fn transaction_ended<B>() -> Response<IdempotencyBody<B>> {
+    let detail = "the handler ended the idempotency transaction itself; what it committed is kept, and this key is held for reconciliation";
+    refuse(Problem::new(ProblemKind::TransactionEnded, detail), 1)
+}

@@ -1,0 +1,392 @@
+//! [`Idempotency`]: the service that runs the protocol around the inner one.
+//!
+//! `mod.rs` reads the request into an identity (key, principal, scope,
+//! fingerprint); [`claim`] decides what an existing record means and takes
+//! the claim; [`execute`] runs the handler on the claimed transaction and
+//! records its answer.
+
+use std::any::Any;
+use std::future::Future;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, header};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use pin_project_lite::pin_project;
+use sqlx::Pool;
+use tower_service::Service;
+use tracing::Instrument;
+
+use crate::body::IdempotencyBody;
+use crate::classify::Classification;
+use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date};
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::layer::Config;
+use crate::local::Local;
+use crate::observe;
+use crate::problem::{Problem, ProblemKind};
+use crate::scope::{bounded, default_operation, hashed};
+use crate::store::{Backend, Scope, StoreErrorKind};
+
+mod claim;
+mod execute;
+
+use claim::{Claimed, Pending};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What the layer did with a request. Every response it returns carries one
+/// in its extensions, for outer layers (logging, metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum IdempotencyOutcome {
+    /// The method is not guarded, or no key was sent and keys are optional.
+    Unguarded,
+    /// The handler ran on a fresh claim; the class says what was kept.
+    Executed(Classification),
+    /// A stored answer was replayed; the handler did not run.
+    Replayed,
+    /// The layer answered with a problem document; the handler did not run,
+    /// or its work was rolled back.
+    Refused {
+        /// Which refusal.
+        problem: ProblemKind,
+        /// How many claim attempts were made (0 when refused before claiming).
+        attempts: u32,
+    },
+}
+
+/// The middleware service built by [`IdempotencyLayer`](crate::IdempotencyLayer).
+pub struct Idempotency<S, DB: Backend> {
+    inner: S,
+    pool: Pool<DB>,
+    config: Arc<Config>,
+}
+
+impl<S: Clone, DB: Backend> Clone for Idempotency<S, DB> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            pool: self.pool.clone(),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<S, DB: Backend> std::fmt::Debug for Idempotency<S, DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, DB: Backend> Idempotency<S, DB> {
+    pub(crate) fn new(inner: S, pool: Pool<DB>, config: Arc<Config>) -> Self {
+        Self {
+            inner,
+            pool,
+            config,
+        }
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+pin_project! {
+    /// The response future of [`Idempotency`].
+    pub struct ResponseFuture<R, E> {
+        #[pin]
+        inner: BoxFuture<Result<R, E>>,
+    }
+}
+
+impl<R, E> Future for ResponseFuture<R, E> {
+    type Output = Result<R, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.project().inner.poll(cx)
+    }
+}
+
+impl<S, DB, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, DB>
+where
+    S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    DB: Backend,
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<IdempotencyBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<Self::Response, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        if !self.config.guards(req.method()) {
+            let fut = self.inner.call(req.map(IdempotencyBody::streaming));
+            return ResponseFuture {
+                inner: Box::pin(async move {
+                    let res = fut.await?;
+                    Ok(streamed(res, IdempotencyOutcome::Unguarded))
+                }),
+            };
+        }
+        // The service that was polled ready goes into the future; a fresh
+        // clone stays behind (tower-http#561).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let run = Run {
+            pool: self.pool.clone(),
+            config: Arc::clone(&self.config),
+        };
+        let guarded = async move {
+            let res = run.guarded(inner, req).await;
+            observe::finish(res.as_ref().ok().and_then(|r| r.extensions().get()));
+            res
+        };
+        ResponseFuture {
+            inner: Box::pin(guarded.instrument(observe::span())),
+        }
+    }
+}
+
+fn streamed<B>(res: Response<B>, outcome: IdempotencyOutcome) -> Response<IdempotencyBody<B>> {
+    let mut res = res.map(IdempotencyBody::streaming);
+    res.extensions_mut().insert(outcome);
+    res
+}
+
+fn buffered<B>(res: Response<Bytes>, outcome: IdempotencyOutcome) -> Response<IdempotencyBody<B>> {
+    let mut res = res.map(IdempotencyBody::buffered);
+    res.extensions_mut().insert(outcome);
+    res
+}
+
+fn refusal(problem: Problem, attempts: u32) -> (Response<Bytes>, IdempotencyOutcome) {
+    let outcome = IdempotencyOutcome::Refused {
+        problem: problem.kind,
+        attempts,
+    };
+    (problem.into_response(), outcome)
+}
+
+fn refuse<B>(problem: Problem, attempts: u32) -> Response<IdempotencyBody<B>> {
+    let (res, outcome) = refusal(problem, attempts);
+    buffered(res, outcome)
+}
+
+/// An answer the layer gives without running the handler.
+pub(super) type Answer = (Response<Bytes>, IdempotencyOutcome);
+
+/// Who is asking for what: the scope and the request's fingerprint.
+struct Identity<'a> {
+    scope: Scope<'a>,
+    fingerprint: Fingerprint,
+}
+
+/// The state one guarded request runs with.
+struct Run<DB: Backend> {
+    pool: Pool<DB>,
+    config: Arc<Config>,
+}
+
+impl<DB: Backend> Run<DB> {
+    async fn guarded<S, ReqBody, ResBody>(
+        self,
+        inner: S,
+        req: Request<ReqBody>,
+    ) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
+    where
+        S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>,
+        ReqBody: Body<Data = Bytes>,
+        ReqBody::Error: Into<BoxError>,
+        ResBody: Body<Data = Bytes>,
+        ResBody::Error: Into<BoxError>,
+    {
+        let cfg = &self.config;
+        let (parts, body) = req.into_parts();
+        let key = match IdempotencyKey::from_headers(&parts.headers, cfg.key_mode) {
+            Ok(Some(key)) => key,
+            Ok(None) if cfg.key_required => {
+                let detail = format!(
+                    "{} requests to this resource need an Idempotency-Key header: a new unique key per operation, reused only to retry it",
+                    parts.method
+                );
+                return Ok(refuse(Problem::new(ProblemKind::MissingKey, detail), 0));
+            }
+            Ok(None) => {
+                let mut inner = inner;
+                let req = Request::from_parts(parts, IdempotencyBody::streaming(body));
+                let res = inner.call(req).await?;
+                return Ok(streamed(res, IdempotencyOutcome::Unguarded));
+            }
+            Err(e) => {
+                return Ok(refuse(
+                    Problem::new(ProblemKind::MalformedKey, e.to_string()),
+                    0,
+                ));
+            }
+        };
+        let Some(principal) = (cfg.principal)(&parts) else {
+            let detail =
+                "the request carries no authenticated principal to scope its Idempotency-Key";
+            return Ok(refuse(
+                Problem::new(ProblemKind::MissingPrincipal, detail),
+                0,
+            ));
+        };
+        let body = match read_body(&parts.headers, body, cfg.max_request_body).await {
+            Ok(body) => body,
+            Err(problem) => return Ok(refuse(problem, 0)),
+        };
+        let fingerprint = match cfg.normalizer.fingerprint(&parts, &body) {
+            Ok(fp) => fp,
+            Err(e) => {
+                return Ok(refuse(
+                    Problem::new(ProblemKind::InvalidBody, e.to_string()),
+                    0,
+                ));
+            }
+        };
+        let operation = match &cfg.operation {
+            Some(op) => op.to_string(),
+            None => default_operation(&parts),
+        };
+        observe::scope(&operation, key.as_str());
+        let principal = bounded(principal.as_str());
+        let operation = bounded(&operation);
+        let key = if cfg.hash_keys {
+            hashed(key.as_str())
+        } else {
+            std::borrow::Cow::Borrowed(key.as_str())
+        };
+        let id = Identity {
+            scope: Scope {
+                principal: &principal,
+                operation: &operation,
+                key: &key,
+            },
+            fingerprint,
+        };
+        let claiming = Instant::now();
+        // One bound on everything a request spends waiting for another
+        // request with its key: the local wait, lock waits, backoff and
+        // acquiring connections.
+        let deadline = claiming + cfg.in_flight_wait.min(cfg.claim_deadline);
+        // A duplicate of a request running in this process waits here, off
+        // the pool; the leader's token lives until the answer is settled.
+        let local_wait = deadline.saturating_duration_since(Instant::now());
+        let local = cfg.local.lead_or_wait(&id.scope, local_wait).await;
+        let claimed = match &local {
+            Local::StillRunning => Claimed::Answer(self.pending(Pending::InFlight, 0)),
+            Local::Finished => self.claim(&id, true, deadline).await,
+            Local::Leader { .. } => self.claim(&id, false, deadline).await,
+        };
+        observe::timing("claim_ms", claiming.elapsed());
+        match claimed {
+            Claimed::Won(tx) => self.execute(inner, &id, tx, parts, body).await,
+            Claimed::Answer((res, outcome)) => Ok(buffered(res, outcome)),
+        }
+    }
+}
+
+/// Tells the client until when its key is honoured.
+fn add_expiry(headers: &mut HeaderMap, expires_at: i64) {
+    if let Ok(value) = http::HeaderValue::from_str(&http_date(expires_at)) {
+        headers.insert(
+            http::HeaderName::from_static(IDEMPOTENCY_KEY_EXPIRES),
+            value,
+        );
+    }
+}
+
+/// A store error before anything was committed: nothing took effect, retry.
+fn store_problem<DB: Backend>(e: &sqlx::Error) -> Problem {
+    let (kind, detail) = match DB::error_kind(e) {
+        StoreErrorKind::Busy => (
+            ProblemKind::StoreBusy,
+            "the idempotency store is busy; nothing was recorded, retry with the same key",
+        ),
+        StoreErrorKind::Conflict => (
+            ProblemKind::TransactionConflict,
+            "the transaction conflicted with a concurrent one and was rolled back; nothing was committed, retry with the same key",
+        ),
+        StoreErrorKind::ConnectionLost => (
+            ProblemKind::StoreUnavailable,
+            "the idempotency store could not be reached; nothing was recorded, retry with the same key",
+        ),
+        _ => (
+            ProblemKind::StoreUnavailable,
+            "the idempotency store failed; nothing was recorded, retry with the same key",
+        ),
+    };
+    Problem::new(kind, detail).retry_after(1)
+}
+
+/// Buffers the request body up to `limit` bytes; a declared or actual larger
+/// body is refused without reading past the limit.
+async fn read_body<B>(headers: &HeaderMap, body: B, limit: usize) -> Result<Bytes, Problem>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let too_large = || {
+        Problem::new(
+            ProblemKind::BodyTooLarge,
+            format!("the request body is larger than {limit} bytes"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
+        Err(e) => Err(Problem::new(
+            ProblemKind::InvalidBody,
+            format!("the request body could not be read: {e}"),
+        )),
+    }
+}
+
+pin_project! {
+    /// Polls a future, turning a panic into an `Err` so the layer can roll
+    /// back before the panic continues.
+    struct CatchUnwind<F> {
+        #[pin]
+        inner: F,
+    }
+}
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, Box<dyn Any + Send>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = self.project().inner;
+        match catch_unwind(AssertUnwindSafe(|| inner.poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}
