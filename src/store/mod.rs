@@ -392,8 +392,25 @@ pub(crate) struct Migration {
     pub(crate) sql: &'static str,
 }
 
-/// The savepoint taken right after the claim.
-pub(crate) const SAVEPOINT: &str = "tower_idempotency_claimed";
+/// Takes the savepoint, right after the claim, that final business errors
+/// roll back to.
+pub(crate) const TAKE_SAVEPOINT: &str = "SAVEPOINT tower_idempotency_claimed";
+
+/// Rolls back to the claim's savepoint; fails when the claimed transaction
+/// is gone ([`StoreErrorKind::TransactionEnded`]).
+pub(crate) const UNDO_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT tower_idempotency_claimed";
+
+/// What opens a recording: for a final failure the business writes are
+/// undone first; then releasing the savepoint proves the claimed
+/// transaction is still ours (it fails, [`StoreErrorKind::TransactionEnded`],
+/// when the handler ended it).
+pub(crate) fn release_savepoint(status: RecordStatus) -> &'static str {
+    if status == RecordStatus::FailedFinal {
+        "ROLLBACK TO SAVEPOINT tower_idempotency_claimed; RELEASE SAVEPOINT tower_idempotency_claimed"
+    } else {
+        "RELEASE SAVEPOINT tower_idempotency_claimed"
+    }
+}
 
 /// Errors every driver reports the same way: lost or unavailable connections.
 fn generic_error_kind(err: &sqlx::Error) -> Option<StoreErrorKind> {

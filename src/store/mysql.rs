@@ -6,8 +6,9 @@ use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Migration, RecordStatus, SAVEPOINT, Scope,
-    StoreErrorKind, generic_error_kind, migrations, run_migrations, shared_statements,
+    Backend, Claim, ClaimOutcome, Completion, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT,
+    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, release_savepoint, run_migrations,
+    shared_statements,
 };
 
 /// The database clock, epoch milliseconds, in UTC arithmetic only (no
@@ -91,7 +92,7 @@ impl Backend for MySql {
              INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
              VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); \
-             SAVEPOINT {SAVEPOINT}",
+             {TAKE_SAVEPOINT}",
             hex(claim.scope.principal.as_bytes()),
             hex(claim.scope.operation.as_bytes()),
             hex(claim.scope.key.as_bytes()),
@@ -128,11 +129,7 @@ impl Backend for MySql {
         // without it. The trailing `START TRANSACTION` opens an empty
         // transaction that matches sqlx's count of one open transaction;
         // its rollback is queued when `tx` drops.
-        let undo = if c.status == RecordStatus::FailedFinal {
-            format!("ROLLBACK TO SAVEPOINT {SAVEPOINT}; ")
-        } else {
-            String::new()
-        };
+        let release = release_savepoint(c.status);
         let resource = c.resource_id.map_or_else(
             || "NULL".to_string(),
             |id| format!("CONVERT(X'{}' USING utf8mb4)", hex(id.as_bytes())),
@@ -146,7 +143,7 @@ impl Backend for MySql {
         let status = c.status.as_str();
         let recorded = format!("idempotency_records WHERE {row} AND status = '{status}'");
         let sql = format!(
-            "{undo}RELEASE SAVEPOINT {SAVEPOINT}; \
+            "{release}; \
              UPDATE idempotency_records SET status = '{status}', response_status = {}, \
              response_headers = X'{}', response_body = X'{}', resource_id = {resource} \
              WHERE {row}; \
@@ -168,7 +165,7 @@ impl Backend for MySql {
     }
 
     async fn check_savepoint(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql("ROLLBACK TO SAVEPOINT tower_idempotency_claimed")
+        sqlx::raw_sql(UNDO_TO_SAVEPOINT)
             .execute(conn)
             .await
             .map(drop)

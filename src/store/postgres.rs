@@ -2,13 +2,13 @@
 
 use sqlx::pool::{MaybePoolConnection, PoolConnection};
 use sqlx::postgres::Postgres;
-use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
+use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
 
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Migration, Record, RecordStatus, SAVEPOINT, Scope,
-    StoreErrorKind, UnresolvedRecord, generic_error_kind, migrations, record_from_row,
-    run_migrations, unresolved_from_row,
+    Backend, Claim, ClaimOutcome, Completion, Migration, Record, RecordRow, Scope, StoreErrorKind,
+    TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, UnresolvedRecord, UnresolvedRow, generic_error_kind,
+    migrations, record_from_row, release_savepoint, run_migrations, unresolved_from_row,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).
@@ -71,7 +71,7 @@ impl Backend for Postgres {
              ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
              RETURNING set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true)) \
              SELECT 1 / (SELECT count(*) FROM claimed); \
-             BEGIN; SAVEPOINT {SAVEPOINT}",
+             BEGIN; {TAKE_SAVEPOINT}",
             claim.isolation.as_sql(),
             text(claim.scope.principal),
             text(claim.scope.operation),
@@ -107,29 +107,17 @@ impl Backend for Postgres {
         // matches sqlx's count of one open transaction; its rollback is
         // queued when `tx` drops and rides on the pool's own check of the
         // returned connection.
-        let undo = if c.status == RecordStatus::FailedFinal {
-            format!("ROLLBACK TO SAVEPOINT {SAVEPOINT}; ")
-        } else {
-            String::new()
-        };
+        let release = release_savepoint(c.status);
         // A missing row (a handler that deleted it) fails the cast, so the
         // COMMIT never runs without the ledger row.
         let sql = format!(
-            "{undo}RELEASE SAVEPOINT {SAVEPOINT}; \
-             WITH done AS (UPDATE idempotency_records SET status = '{}', response_status = {}, \
-             response_headers = {}, response_body = {}, resource_id = {} \
-             WHERE principal_id = {} AND operation = {} AND idem_key = {} RETURNING expires_at) \
+            "{release}; \
+             WITH done AS (UPDATE idempotency_records SET {} WHERE {} RETURNING expires_at) \
              SELECT (CASE WHEN count(*) = 1 THEN max(expires_at)::text \
              ELSE 'the idempotency ledger row is gone' END)::int8 FROM done; \
              COMMIT; BEGIN",
-            c.status.as_str(),
-            c.response_status,
-            bytea(c.response_headers),
-            bytea(c.response_body),
-            c.resource_id.map_or_else(|| "NULL".to_string(), text),
-            text(scope.principal),
-            text(scope.operation),
-            text(scope.key),
+            set_completion(c),
+            where_scope(scope),
         );
         match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
             Ok(rows) => rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0),
@@ -141,7 +129,7 @@ impl Backend for Postgres {
     }
 
     async fn check_savepoint(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql("ROLLBACK TO SAVEPOINT tower_idempotency_claimed")
+        sqlx::raw_sql(UNDO_TO_SAVEPOINT)
             .execute(conn)
             .await
             .map(drop)
@@ -168,17 +156,7 @@ impl Backend for Postgres {
         else {
             return Ok(None);
         };
-        record_from_row((
-            row.try_get(0)?,
-            row.try_get(1)?,
-            row.try_get(2)?,
-            row.try_get(3)?,
-            row.try_get(4)?,
-            row.try_get(5)?,
-            row.try_get(6)?,
-            row.try_get(7)?,
-        ))
-        .map(Some)
+        record_from_row(RecordRow::from_row(&row)?).map(Some)
     }
 
     async fn mark_unresolved(
@@ -216,16 +194,7 @@ impl Backend for Postgres {
             .fetch_all(pool)
             .await?
             .iter()
-            .map(|row| {
-                unresolved_from_row((
-                    row.try_get(0)?,
-                    row.try_get(1)?,
-                    row.try_get(2)?,
-                    row.try_get(3)?,
-                    row.try_get(4)?,
-                    row.try_get(5)?,
-                ))
-            })
+            .map(|row| unresolved_from_row(UnresolvedRow::from_row(row)?))
             .collect()
     }
 
@@ -237,14 +206,8 @@ impl Backend for Postgres {
         let unresolved = "status IN ('PROCESSING', 'NEEDS_RECONCILIATION')";
         let sql = match completion {
             Some(c) => format!(
-                "UPDATE idempotency_records SET status = '{}', response_status = {}, \
-                 response_headers = {}, response_body = {}, resource_id = {} \
-                 WHERE {} AND {unresolved}",
-                c.status.as_str(),
-                c.response_status,
-                bytea(c.response_headers),
-                bytea(c.response_body),
-                c.resource_id.map_or_else(|| "NULL".to_string(), text),
+                "UPDATE idempotency_records SET {} WHERE {} AND {unresolved}",
+                set_completion(c),
                 where_scope(scope),
             ),
             None => format!(
@@ -327,6 +290,19 @@ fn where_scope(scope: &Scope<'_>) -> String {
         text(scope.principal),
         text(scope.operation),
         text(scope.key)
+    )
+}
+
+/// The columns a completion writes, as literals.
+fn set_completion(c: &Completion<'_>) -> String {
+    format!(
+        "status = '{}', response_status = {}, response_headers = {}, response_body = {}, \
+         resource_id = {}",
+        c.status.as_str(),
+        c.response_status,
+        bytea(c.response_headers),
+        bytea(c.response_body),
+        c.resource_id.map_or_else(|| "NULL".to_string(), text),
     )
 }
 

@@ -5,8 +5,9 @@ use sqlx::sqlite::Sqlite;
 use sqlx::{Pool, SqlSafeStr, Transaction};
 
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Migration, RecordStatus, Scope, StoreErrorKind,
-    generic_error_kind, migrations, run_migrations, shared_statements,
+    Backend, Claim, ClaimOutcome, Completion, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT,
+    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, release_savepoint, run_migrations,
+    shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
@@ -69,9 +70,7 @@ impl Backend for Sqlite {
         .await;
         match inserted {
             Ok(done) if done.rows_affected() == 1 => {
-                sqlx::raw_sql("SAVEPOINT tower_idempotency_claimed")
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::raw_sql(TAKE_SAVEPOINT).execute(&mut *tx).await?;
                 Ok(ClaimOutcome::Won(tx))
             }
             Ok(_) => {
@@ -92,12 +91,10 @@ impl Backend for Sqlite {
     ) -> Result<i64, sqlx::Error> {
         // An embedded database has no round trips to save: prove the
         // claimed transaction is still ours, record with parameters, commit.
-        let check = if c.status == RecordStatus::FailedFinal {
-            "ROLLBACK TO SAVEPOINT tower_idempotency_claimed; RELEASE SAVEPOINT tower_idempotency_claimed"
-        } else {
-            "RELEASE SAVEPOINT tower_idempotency_claimed"
-        };
-        if let Err(e) = sqlx::raw_sql(check).execute(&mut *tx).await {
+        if let Err(e) = sqlx::raw_sql(release_savepoint(c.status))
+            .execute(&mut *tx)
+            .await
+        {
             let e = reopen_if_ended(&mut tx, e).await;
             let _ = tx.rollback().await;
             return Err(e);
@@ -130,10 +127,7 @@ impl Backend for Sqlite {
     }
 
     async fn check_savepoint(conn: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
-        match sqlx::raw_sql("ROLLBACK TO SAVEPOINT tower_idempotency_claimed")
-            .execute(&mut *conn)
-            .await
-        {
+        match sqlx::raw_sql(UNDO_TO_SAVEPOINT).execute(&mut *conn).await {
             Ok(_) => Ok(()),
             Err(e) => Err(reopen_if_ended(conn, e).await),
         }
