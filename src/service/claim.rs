@@ -61,10 +61,10 @@ impl<DB: Backend> Run<DB> {
         let pending = loop {
             attempts += 1;
             if read_first {
-                match self.lookup(id, deadline).await {
-                    Ok(Some(answer)) => return Claimed::Answer(with_attempts(answer, attempts)),
+                match self.lookup(id, deadline, attempts).await {
+                    Ok(Some(answer)) => return Claimed::Answer(answer),
                     Ok(None) => {}
-                    Err(e) => return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts)),
+                    Err(e) => return store_failure::<DB>(&e, attempts),
                 }
             }
             read_first = true;
@@ -77,16 +77,16 @@ impl<DB: Backend> Run<DB> {
                 Ok(Attempt::NoPermit) => break Pending::InFlight,
                 // Lost to a committed row (or, above READ COMMITTED, to a
                 // concurrent claim): a fresh read explains it.
-                Ok(Attempt::Lost) => match self.lookup(id, deadline).await {
-                    Ok(Some(answer)) => return Claimed::Answer(with_attempts(answer, attempts)),
+                Ok(Attempt::Lost) => match self.lookup(id, deadline, attempts).await {
+                    Ok(Some(answer)) => return Claimed::Answer(answer),
                     Ok(None) => Pending::Unconfirmed,
-                    Err(e) => return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts)),
+                    Err(e) => return store_failure::<DB>(&e, attempts),
                 },
                 Ok(Attempt::Blocked) => {
                     waiting = true;
                     Pending::InFlight
                 }
-                Err(e) => return Claimed::Answer(refusal(store_problem::<DB>(&e), attempts)),
+                Err(e) => return store_failure::<DB>(&e, attempts),
             };
             if attempts >= cfg.claim_attempts {
                 break pending;
@@ -187,12 +187,14 @@ impl<DB: Backend> Run<DB> {
         }
     }
 
-    /// Reads the committed record and decides what it means for `id`;
-    /// `None` when there is no committed record.
+    /// Reads the committed record and decides what it means for `id`, the
+    /// answer telling how many claim attempts were made; `None` when there
+    /// is no committed record.
     pub(super) async fn lookup(
         &self,
         id: &Identity<'_>,
         deadline: Instant,
+        attempts: u32,
     ) -> Result<Option<Answer>, sqlx::Error> {
         let wait = deadline
             .saturating_duration_since(Instant::now())
@@ -201,12 +203,12 @@ impl<DB: Backend> Run<DB> {
             Ok(record) => record?,
             Err(_) => return Err(sqlx::Error::PoolTimedOut),
         };
-        Ok(record.map(|record| self.judge(&record, id)))
+        Ok(record.map(|record| self.judge(&record, id, attempts)))
     }
 
     /// The decision table for a committed record. Expiry first: a key past
     /// its retention is never executed again, whatever the payload.
-    fn judge(&self, record: &Record, id: &Identity<'_>) -> Answer {
+    fn judge(&self, record: &Record, id: &Identity<'_>, attempts: u32) -> Answer {
         if is_expired(record) {
             let detail = "this Idempotency-Key's retention has ended; the original request is not executed again. Look the resource up, or send a new key for a new operation";
             let link = match (&record.resource_id, &self.config.resource_link) {
@@ -216,14 +218,14 @@ impl<DB: Backend> Run<DB> {
             return refusal(
                 Problem::new(ProblemKind::Expired, detail)
                     .resource(record.resource_id.clone(), link),
-                1,
+                attempts,
             );
         }
         if record.fingerprint != id.fingerprint.as_bytes() {
             let detail = "this Idempotency-Key was already used with a different request; use a new key for a different operation";
             return refusal(
                 Problem::new(ProblemKind::KeyReused, detail).status(self.config.mismatch_status),
-                1,
+                attempts,
             );
         }
         match (record.status, record.response_status) {
@@ -244,7 +246,7 @@ impl<DB: Backend> Run<DB> {
                 let detail = "the outcome of the first request with this Idempotency-Key is unknown; it is not executed again until it has been reconciled. Retry later with the same key";
                 refusal(
                     Problem::new(ProblemKind::Reconciling, detail).retry_after(RECONCILING_RETRY),
-                    1,
+                    attempts,
                 )
             }
         }
@@ -292,14 +294,9 @@ impl OwnedClaim {
 /// How soon a retry of a key awaiting reconciliation is worth it, seconds.
 const RECONCILING_RETRY: u64 = 30;
 
-fn with_attempts((res, outcome): Answer, attempts: u32) -> Answer {
-    let outcome = match outcome {
-        IdempotencyOutcome::Refused { problem, .. } => {
-            IdempotencyOutcome::Refused { problem, attempts }
-        }
-        other => other,
-    };
-    (res, outcome)
+/// A store failure ends the claim stage with a retryable refusal.
+fn store_failure<DB: Backend>(e: &sqlx::Error, attempts: u32) -> Claimed<DB> {
+    Claimed::Answer(refusal(store_problem::<DB>(e), attempts))
 }
 
 /// Exponential backoff from 25 ms, capped at 1 s, with up to 50 % jitter so

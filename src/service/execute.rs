@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{Request, Response};
+use http::{HeaderValue, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sqlx::Transaction;
@@ -14,7 +14,7 @@ use tower_service::Service;
 
 use super::claim::MIN_READ_WAIT;
 use super::{
-    BoxError, CatchUnwind, IdempotencyOutcome, Identity, Run, add_expiry, buffered, refuse,
+    BoxError, CatchUnwind, IdempotencyOutcome, Identity, Run, buffered, expiry_header, refuse,
     store_problem,
 };
 use crate::body::IdempotencyBody;
@@ -137,15 +137,16 @@ impl<DB: Backend> Run<DB> {
         let committing = Instant::now();
         let finished = DB::finish(tx, &id.scope, &completion).await;
         observe::timing("commit_ms", committing.elapsed());
-        let respond = |body: Bytes, expires_at: Option<i64>| {
-            let mut res = Response::from_parts(res_parts, body);
-            if let Some(expires_at) = expires_at {
-                add_expiry(res.headers_mut(), expires_at);
+        // The answer as the handler gave it, with the key's expiry.
+        let respond = |expiry: Option<HeaderValue>| {
+            let mut res = Response::from_parts(res_parts, stored.body);
+            if let Some(expiry) = expiry {
+                res.headers_mut().insert(IDEMPOTENCY_KEY_EXPIRES, expiry);
             }
             Ok(buffered(res, outcome))
         };
         match finished {
-            Ok(expires_at) => respond(stored.body, Some(expires_at)),
+            Ok(expires_at) => respond(expiry_header(expires_at)),
             Err(e) => match DB::error_kind(&e) {
                 StoreErrorKind::TransactionEnded => {
                     self.strand(id, handler_status).await;
@@ -154,14 +155,9 @@ impl<DB: Backend> Run<DB> {
                 StoreErrorKind::ConnectionLost => {
                     // The commit may or may not have landed: ask the ledger.
                     let deadline = Instant::now() + MIN_READ_WAIT;
-                    match self.lookup(id, deadline).await {
+                    match self.lookup(id, deadline, 1).await {
                         Ok(Some((replay, IdempotencyOutcome::Replayed))) => {
-                            let expires_at = replay.headers().get(IDEMPOTENCY_KEY_EXPIRES).cloned();
-                            let mut res = respond(stored.body, None);
-                            if let (Ok(res), Some(value)) = (&mut res, expires_at) {
-                                res.headers_mut().insert(IDEMPOTENCY_KEY_EXPIRES, value);
-                            }
-                            res
+                            respond(replay.headers().get(IDEMPOTENCY_KEY_EXPIRES).cloned())
                         }
                         _ => {
                             let detail = "the connection was lost while committing and the ledger shows no commit; retry with the same key";

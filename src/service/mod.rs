@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, header};
+use http::{HeaderMap, HeaderValue, Request, Response, header};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use pin_project_lite::pin_project;
@@ -306,13 +306,15 @@ impl<DB: Backend> Run<DB> {
     }
 }
 
+/// The header that tells the client until when its key is honoured.
+fn expiry_header(expires_at: i64) -> Option<HeaderValue> {
+    HeaderValue::from_str(&http_date(expires_at)).ok()
+}
+
 /// Tells the client until when its key is honoured.
 fn add_expiry(headers: &mut HeaderMap, expires_at: i64) {
-    if let Ok(value) = http::HeaderValue::from_str(&http_date(expires_at)) {
-        headers.insert(
-            http::HeaderName::from_static(IDEMPOTENCY_KEY_EXPIRES),
-            value,
-        );
+    if let Some(value) = expiry_header(expires_at) {
+        headers.insert(IDEMPOTENCY_KEY_EXPIRES, value);
     }
 }
 
