@@ -11,6 +11,7 @@ use tower_layer::Layer;
 use crate::expiry::DEFAULT_RETENTION;
 use crate::fingerprint::Normalizer;
 use crate::key::KeyMode;
+use crate::lease::LeaseMode;
 use crate::local::LocalClaims;
 use crate::scope::{Principal, PrincipalFn, principal_from_extensions};
 use crate::service::Idempotency;
@@ -68,6 +69,7 @@ pub(crate) struct Config {
     pub(crate) isolation: IsolationLevel,
     pub(crate) max_waiting: usize,
     pub(crate) waiters: Arc<tokio::sync::Semaphore>,
+    pub(crate) lease: Option<LeaseMode>,
 }
 
 pub(crate) type ResourceLinkFn = Arc<dyn Fn(&str) -> String + Send + Sync>;
@@ -93,6 +95,7 @@ impl std::fmt::Debug for Config {
             .field("read_first", &self.read_first)
             .field("isolation", &self.isolation)
             .field("max_waiting", &self.max_waiting)
+            .field("lease", &self.lease)
             .finish_non_exhaustive()
     }
 }
@@ -154,6 +157,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 isolation: IsolationLevel::default(),
                 max_waiting,
                 waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
+                lease: None,
             },
         }
     }
@@ -351,6 +355,20 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         self
     }
 
+    /// Lease mode for this layer's routes: for handlers that call the
+    /// outside world (a payment provider). The claim commits at once with a
+    /// lease and a fencing generation; the handler works through a
+    /// [`Leased`](crate::lease::Leased) context in phases and external
+    /// steps; a retry after a crash resumes from the last recovery point.
+    /// See [`lease`](crate::lease). The default is the single-transaction
+    /// mode. `with_in_flight_wait` bounds how long a duplicate waits on a
+    /// live lease.
+    #[must_use]
+    pub fn with_lease(mut self, mode: LeaseMode) -> Self {
+        self.config.lease = Some(mode);
+        self
+    }
+
     /// How to link a resource id to its URL, for the `410` answer to an
     /// expired key (`Link: <url>; rel="related"` and a `resource` member),
     /// so the client can look the result up. The default is no link; the
@@ -366,7 +384,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
 }
 
 /// The headers recorded by default: the body's representation and `Location`.
-fn default_recorded_headers() -> Vec<HeaderName> {
+pub(crate) fn default_recorded_headers() -> Vec<HeaderName> {
     vec![
         header::CONTENT_TYPE,
         header::CONTENT_ENCODING,

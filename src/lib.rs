@@ -209,6 +209,7 @@ mod expiry;
 mod fingerprint;
 mod key;
 mod layer;
+pub mod lease;
 mod local;
 mod observe;
 mod path;

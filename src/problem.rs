@@ -26,6 +26,7 @@
 //! | [`TransactionConflict`](ProblemKind::TransactionConflict) | 503 + `Retry-After` | `#transaction-conflict` | a serialization failure or deadlock at commit; everything was rolled back |
 //! | [`TransactionEnded`](ProblemKind::TransactionEnded) | 500 | `#transaction-ended` | the handler ended the claimed transaction itself (`COMMIT`, `ROLLBACK`, implicitly committing DDL); what it committed stays, and the key answers `#reconciling` until an operator resolves it |
 //! | [`Reconciling`](ProblemKind::Reconciling) | 503 + `Retry-After` | `#reconciling` | the outcome of the first request with this key is unknown; it is never executed again automatically, and an operator resolves it (see [`Reconciler`](crate::Reconciler)) |
+//! | [`LeaseLost`](ProblemKind::LeaseLost) | 409 + `Retry-After` | `#lease-lost` | lease mode: this attempt ran past its lease and a later attempt took the key over; nothing this attempt wrote after that was kept, and the retry gets the later attempt's answer |
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
@@ -79,6 +80,9 @@ pub enum ProblemKind {
     TransactionEnded,
     /// The key's first request has an unknown outcome, awaiting an operator.
     Reconciling,
+    /// Lease mode: this attempt's lease was taken over by a later attempt
+    /// (it ran past its lease); the later attempt answers for the key.
+    LeaseLost,
 }
 
 impl ProblemKind {
@@ -103,6 +107,7 @@ impl ProblemKind {
             Self::TransactionConflict => "transaction-conflict",
             Self::TransactionEnded => "transaction-ended",
             Self::Reconciling => "reconciling",
+            Self::LeaseLost => "lease-lost",
         }
     }
 
@@ -131,6 +136,7 @@ impl ProblemKind {
             Self::TransactionConflict => "Transaction conflict",
             Self::TransactionEnded => "Transaction ended by the handler",
             Self::Reconciling => "Outcome unknown, awaiting reconciliation",
+            Self::LeaseLost => "The request was taken over by a retry",
         }
     }
 
@@ -140,7 +146,7 @@ impl ProblemKind {
             Self::MissingPrincipal => StatusCode::UNAUTHORIZED,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::InFlight | Self::Unconfirmed => StatusCode::CONFLICT,
+            Self::InFlight | Self::Unconfirmed | Self::LeaseLost => StatusCode::CONFLICT,
             Self::Expired => StatusCode::GONE,
             Self::CommitUnknown
             | Self::StoreUnavailable

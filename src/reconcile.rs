@@ -1,5 +1,11 @@
 //! Keys whose outcome is unknown, and the operator API that resolves them.
 //!
+//! In lease mode (see [`lease`](crate::lease)), a key's outcome is unknown
+//! when an external step's `recover` could not tell whether the step took
+//! effect: the record is parked as `NEEDS_RECONCILIATION` with its pending
+//! step named. Resolve it here once the provider's records say what
+//! happened; each resolution is fenced by the record's generation.
+//!
 //! A key's outcome is unknown when the handler ended the claimed transaction
 //! itself (ran `COMMIT` or `ROLLBACK` on the [`Tx`](crate::Tx), or DDL that
 //! commits implicitly): the layer can no longer record the answer with the
@@ -31,7 +37,7 @@ use http::Response;
 use sqlx::Pool;
 
 use crate::replay::StoredResponse;
-use crate::store::{Backend, Completion, RecordStatus, Scope, UnresolvedRecord};
+use crate::store::{Backend, Completion, LeaseWrite, RecordStatus, Scope, UnresolvedRecord};
 
 /// How an operator settles a key whose outcome was unknown.
 #[derive(Debug, Clone)]
@@ -44,7 +50,9 @@ pub enum Resolution {
     /// `FAILED_FINAL`.
     Failed(Response<Bytes>),
     /// Nothing took effect: the record is deleted and the key's next
-    /// request runs the handler again.
+    /// request runs the handler again. For a lease-mode record, the pending
+    /// step had no effect: the record resumes at its last recovery point
+    /// and runs that step again (with the same step key).
     Rerun,
 }
 
@@ -83,9 +91,13 @@ impl<DB: Backend> Reconciler<DB> {
             operation: &record.operation,
             key: &record.key,
         };
+        let lease = record.generation;
         let (status, response) = match resolution {
             Resolution::Succeeded(res) => (RecordStatus::Succeeded, res),
             Resolution::Failed(res) => (RecordStatus::FailedFinal, res),
+            Resolution::Rerun if lease > 0 => {
+                return DB::lease_write(&self.pool, &scope, lease, &LeaseWrite::Rerun).await;
+            }
             Resolution::Rerun => return Ok(DB::resolve(&self.pool, &scope, None).await? == 1),
         };
         let (parts, body) = response.into_parts();
@@ -98,6 +110,10 @@ impl<DB: Backend> Reconciler<DB> {
             response_body: &stored.body,
             resource_id: None,
         };
+        if lease > 0 {
+            let write = LeaseWrite::Complete(&completion);
+            return DB::lease_write(&self.pool, &scope, lease, &write).await;
+        }
         Ok(DB::resolve(&self.pool, &scope, Some(&completion)).await? == 1)
     }
 }

@@ -208,7 +208,7 @@ impl<DB: Backend> Run<DB> {
 
     /// The decision table for a committed record. Expiry first: a key past
     /// its retention is never executed again, whatever the payload.
-    fn judge(&self, record: &Record, id: &Identity<'_>, attempts: u32) -> Answer {
+    pub(super) fn judge(&self, record: &Record, id: &Identity<'_>, attempts: u32) -> Answer {
         if is_expired(record) {
             let detail = "this Idempotency-Key's retention has ended; the original request is not executed again. Look the resource up, or send a new key for a new operation";
             let link = match (&record.resource_id, &self.config.resource_link) {
@@ -301,7 +301,7 @@ fn store_failure<DB: Backend>(e: &sqlx::Error, attempts: u32) -> Claimed<DB> {
 
 /// Exponential backoff from 25 ms, capped at 1 s, with up to 50 % jitter so
 /// contending retries spread out.
-fn backoff(attempt: u32) -> Duration {
+pub(super) fn backoff(attempt: u32) -> Duration {
     use std::hash::{BuildHasher, Hasher};
     let base = 25u64.saturating_mul(1 << attempt.min(6)).min(1000);
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();

@@ -8,14 +8,13 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response};
 use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
 use sqlx::Transaction;
 use tower_service::Service;
 
 use super::claim::MIN_READ_WAIT;
 use super::{
-    BoxError, CatchUnwind, IdempotencyOutcome, Identity, Run, buffered, expiry_header, refuse,
-    store_problem,
+    BoxError, CatchUnwind, IdempotencyOutcome, Identity, Run, buffered, expiry_header,
+    read_response, refuse, store_problem,
 };
 use crate::body::IdempotencyBody;
 use crate::classify::{Classification, ResourceId};
@@ -64,6 +63,7 @@ impl<DB: Backend> Run<DB> {
             }
             Ok(Ok(res)) => res,
         };
+        let handler_status = i32::from(res.status().as_u16());
         let Some(tx) = tx else {
             // The handler still holds the transaction: it rolls back when the
             // handler lets go, and nothing may be recorded.
@@ -73,29 +73,13 @@ impl<DB: Backend> Run<DB> {
                 1,
             ));
         };
-        let (res_parts, res_body) = res.into_parts();
-        let handler_status = i32::from(res_parts.status.as_u16());
-        let body = match Limited::new(res_body, self.config.max_response_body)
-            .collect()
-            .await
-        {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) => {
+        let (res_parts, body) = match read_response(res, self.config.max_response_body).await {
+            Ok(res) => res.into_parts(),
+            Err(problem) => {
                 if self.abandon(Some(tx), id, handler_status).await {
                     return Ok(transaction_ended());
                 }
-                let (kind, detail) = if e.downcast_ref::<LengthLimitError>().is_some() {
-                    (
-                        ProblemKind::ResponseTooLarge,
-                        "the response was larger than the recording limit; nothing was committed",
-                    )
-                } else {
-                    (
-                        ProblemKind::ResponseUnreadable,
-                        "the response body failed while being recorded; nothing was committed",
-                    )
-                };
-                return Ok(refuse(Problem::new(kind, detail), 1));
+                return Ok(refuse(problem, 1));
             }
         };
         let class = res_parts

@@ -36,6 +36,7 @@ use crate::store::{Backend, Scope, StoreErrorKind};
 
 mod claim;
 mod execute;
+mod lease;
 
 use claim::{Claimed, Pending};
 
@@ -269,6 +270,7 @@ impl<DB: Backend> Run<DB> {
             None => default_operation(&parts),
         };
         observe::scope(&operation, key.as_str());
+        let lease_mode = cfg.lease;
         let principal = bounded(principal.as_str());
         let operation = bounded(&operation);
         let key = if cfg.hash_keys {
@@ -284,6 +286,10 @@ impl<DB: Backend> Run<DB> {
             },
             fingerprint,
         };
+        if let Some(mode) = lease_mode {
+            let deadline = Instant::now() + cfg.in_flight_wait;
+            return self.leased(mode, inner, &id, parts, body, deadline).await;
+        }
         let claiming = Instant::now();
         // One bound on everything a request spends waiting for another
         // request with its key: the local wait, lock waits, backoff and
@@ -368,6 +374,32 @@ where
             ProblemKind::InvalidBody,
             format!("the request body could not be read: {e}"),
         )),
+    }
+}
+
+/// Buffers the handler's answer for recording, up to `limit` bytes.
+async fn read_response<B>(res: Response<B>, limit: usize) -> Result<Response<Bytes>, Problem>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let (parts, body) = res.into_parts();
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(Response::from_parts(parts, collected.to_bytes())),
+        Err(e) => {
+            let (kind, detail) = if e.downcast_ref::<LengthLimitError>().is_some() {
+                (
+                    ProblemKind::ResponseTooLarge,
+                    "the response was larger than the recording limit; nothing was committed",
+                )
+            } else {
+                (
+                    ProblemKind::ResponseUnreadable,
+                    "the response body failed while being recorded; nothing was committed",
+                )
+            };
+            Err(Problem::new(kind, detail))
+        }
     }
 }
 

@@ -51,7 +51,7 @@ use std::time::Duration;
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, Pool, Transaction};
 
-#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod lease;
 mod literal;
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -59,6 +59,9 @@ mod mysql;
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+
+pub use lease::{LeaseRecord, LeaseWrite};
+pub(crate) use literal::hex;
 
 /// The identity of one logical request: who, which operation, which key.
 /// The unique constraint is on all three, never on the key alone.
@@ -189,6 +192,25 @@ pub struct Record {
     pub expires_at: i64,
     /// Whether `expires_at` had passed on the database's clock when read.
     pub past_expiry: bool,
+    /// The lease state, for a row claimed in lease mode.
+    pub lease: Option<LeaseState>,
+}
+
+/// Where a lease-mode row stands (see [`lease`](crate::lease)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseState {
+    /// The fencing token: 1 at the claim, one more at each takeover.
+    pub generation: i64,
+    /// Whether the lease was still running on the database's clock when
+    /// read (`locked_until` in the future).
+    pub live: bool,
+    /// The last committed recovery point.
+    pub recovery_point: Option<String>,
+    /// What the phases and steps saved: a JSON object by point name.
+    pub recovery_data: Option<Vec<u8>>,
+    /// An external step that may have run and whose outcome is not
+    /// recorded.
+    pub pending_step: Option<String>,
 }
 
 /// The terminal state written on the claimed row before commit.
@@ -221,6 +243,10 @@ pub struct UnresolvedRecord {
     pub response_status: Option<i32>,
     /// When the key was claimed, epoch milliseconds (database clock).
     pub created_at: i64,
+    /// Lease mode: the record's generation (0 for the default mode).
+    pub generation: i64,
+    /// Lease mode: the external step whose outcome is unknown.
+    pub pending_step: Option<String>,
 }
 
 /// How a store error bears on the protocol.
@@ -318,8 +344,10 @@ pub trait Backend: Database {
         response_status: i32,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
-    /// Lists at most `limit` committed rows that are `PROCESSING` or
-    /// `NEEDS_RECONCILIATION`, oldest first.
+    /// Lists at most `limit` rows whose outcome is unknown, oldest first:
+    /// `NEEDS_RECONCILIATION` rows, and committed `PROCESSING` rows of the
+    /// default mode (generation 0; a lease-mode `PROCESSING` row is work in
+    /// progress, for the completer).
     fn list_unresolved(
         pool: &Pool<Self>,
         limit: i64,
@@ -361,6 +389,68 @@ pub trait Backend: Database {
 
     /// Sorts a driver error.
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind;
+
+    // Lease mode (see `crate::lease`). Every write below names the
+    // generation its writer holds and matches nothing once the row was
+    // taken over: the fence is in the same statement as the write.
+
+    /// Inserts and commits a lease claim: `PROCESSING`, generation 1,
+    /// `locked_until` = now + `lease_ms` (database clock). `Ok(false)` when
+    /// a row already holds the scope. Waits for another claimer's
+    /// uncommitted row at most about `claim.lock_wait`.
+    fn lease_claim(
+        pool: &Pool<Self>,
+        claim: &Claim<'_>,
+        lease_ms: i64,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Takes over the scope's row at generation `seen` when its lease has
+    /// lapsed (or, with `parked`, when it is `NEEDS_RECONCILIATION` and
+    /// not leased): generation `seen + 1`, leased for `lease_ms`, in one
+    /// conditional statement. Of any number of concurrent takeovers of one
+    /// generation, at most one returns `Ok(true)`.
+    fn take_over(
+        pool: &Pool<Self>,
+        scope: &Scope<'_>,
+        seen: i64,
+        lease_ms: i64,
+        parked: bool,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// One fenced write on its own (committed at once); `Ok(false)` when the
+    /// row is no longer at `generation` (or is settled). Lock waits are
+    /// bounded (a few seconds).
+    fn lease_write(
+        pool: &Pool<Self>,
+        scope: &Scope<'_>,
+        generation: i64,
+        write: &LeaseWrite<'_>,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Begins the transaction of one lease-mode phase, at `isolation`
+    /// (for that transaction only).
+    fn begin_phase(
+        pool: &Pool<Self>,
+        isolation: IsolationLevel,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+
+    /// Ends a phase: the fenced write and the phase's own writes commit
+    /// together, or (when the fence does not match) nothing commits and
+    /// `Ok(None)` is returned. `Ok(Some(expires_at))` after the commit.
+    fn commit_fenced(
+        tx: Transaction<'static, Self>,
+        scope: &Scope<'_>,
+        generation: i64,
+        write: &LeaseWrite<'_>,
+    ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send;
+
+    /// At most `limit` leased rows a completer may take over: `PROCESSING`
+    /// with a lapsed lease, and `NEEDS_RECONCILIATION` with a pending step
+    /// (whose outcome a completer may still recover).
+    fn list_leases(
+        pool: &Pool<Self>,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<LeaseRecord>, sqlx::Error>> + Send;
 }
 
 /// Applies the crate's missing ledger migrations on `pool`, in order and
@@ -434,6 +524,11 @@ type RecordRow = (
     Option<String>,
     i64,
     i64,
+    i64,
+    i64,
+    Option<String>,
+    Option<Vec<u8>>,
+    Option<String>,
 );
 
 fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
@@ -446,7 +541,19 @@ fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
         resource_id,
         expires_at,
         past_expiry,
+        generation,
+        live,
+        recovery_point,
+        recovery_data,
+        pending_step,
     ) = row;
+    let lease = (generation > 0).then(|| LeaseState {
+        generation,
+        live: live != 0,
+        recovery_point,
+        recovery_data,
+        pending_step,
+    });
     Ok(Record {
         status: parse_status(&status)?,
         fingerprint,
@@ -456,6 +563,7 @@ fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
         resource_id,
         expires_at,
         past_expiry: past_expiry != 0,
+        lease,
     })
 }
 
@@ -464,10 +572,20 @@ fn parse_status(status: &str) -> Result<RecordStatus, sqlx::Error> {
         .ok_or_else(|| sqlx::Error::Decode(format!("unknown ledger status {status:?}").into()))
 }
 
-type UnresolvedRow = (String, String, String, String, Option<i32>, i64);
+type UnresolvedRow = (
+    String,
+    String,
+    String,
+    String,
+    Option<i32>,
+    i64,
+    i64,
+    Option<String>,
+);
 
 fn unresolved_from_row(row: UnresolvedRow) -> Result<UnresolvedRecord, sqlx::Error> {
-    let (principal, operation, key, status, response_status, created_at) = row;
+    let (principal, operation, key, status, response_status, created_at, generation, pending_step) =
+        row;
     Ok(UnresolvedRecord {
         principal,
         operation,
@@ -475,6 +593,8 @@ fn unresolved_from_row(row: UnresolvedRow) -> Result<UnresolvedRecord, sqlx::Err
         status: parse_status(&status)?,
         response_status,
         created_at,
+        generation,
+        pending_step,
     })
 }
 

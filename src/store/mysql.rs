@@ -2,11 +2,13 @@
 
 use sqlx::mysql::{MySql, MySqlDatabaseError};
 use sqlx::pool::{MaybePoolConnection, PoolConnection};
-use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
+use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
 
+use super::lease::{Dialect, LeaseRow, lease_from_row, x_literal};
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT,
+    Backend, Claim, ClaimOutcome, Completion, IsolationLevel, LeaseRecord, LeaseWrite, Migration,
+    Scope, StoreErrorKind, TAKE_SAVEPOINT,
     UNDO_TO_SAVEPOINT, generic_error_kind, migrations, release_savepoint, run_migrations,
     shared_statements,
 };
@@ -24,6 +26,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     1 => "0001_idempotency_records",
     2 => "0002_byte_scopes_and_reconciliation",
     3 => "0003_tombstone_purge_time",
+    4 => "0004_lease_mode",
 );
 
 impl Backend for MySql {
@@ -178,7 +181,10 @@ impl Backend for MySql {
              response_body, resource_id, expires_at, \
              CASE WHEN expires_at <= ",
             now_ms!(),
-            " THEN 1 ELSE 0 END FROM idempotency_records \
+            " THEN 1 ELSE 0 END, generation, CASE WHEN locked_until > ",
+            now_ms!(),
+            " THEN 1 ELSE 0 END, CONVERT(recovery_point USING utf8mb4), recovery_data, \
+             CONVERT(pending_step USING utf8mb4) FROM idempotency_records \
              WHERE principal_id = ? AND operation = ? AND idem_key = ?"
         ),
         // Assignments run left to right: response_status before status.
@@ -194,9 +200,9 @@ impl Backend for MySql {
              status = IF(status = 'PROCESSING', 'NEEDS_RECONCILIATION', status)"
         ),
         list = "SELECT CONVERT(principal_id USING utf8mb4), CONVERT(operation USING utf8mb4), \
-                CONVERT(idem_key USING utf8mb4), status, response_status, created_at \
-                FROM idempotency_records WHERE status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \
-                ORDER BY created_at LIMIT ?",
+                CONVERT(idem_key USING utf8mb4), status, response_status, created_at, generation, CONVERT(pending_step USING utf8mb4) \
+                FROM idempotency_records WHERE status = 'NEEDS_RECONCILIATION' \
+                OR (status = 'PROCESSING' AND generation = 0) ORDER BY created_at LIMIT ?",
         resolve = "UPDATE idempotency_records SET status = ?, response_status = ?, \
                    response_headers = ?, response_body = ?, resource_id = ? \
                    WHERE principal_id = ? AND operation = ? AND idem_key = ? \
@@ -218,6 +224,101 @@ impl Backend for MySql {
             ") LIMIT ?"
         ),
     );
+
+    // Lease statements are literal SQL built once for every backend (see
+    // `lease.rs`); each lock wait is bounded for its statement only.
+
+    async fn lease_claim(
+        pool: &Pool<Self>,
+        claim: &Claim<'_>,
+        lease_ms: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let secs = claim.lock_wait.as_secs_f64().round().clamp(1.0, 3600.0) as u64;
+        let sql = with_lock_wait(secs, &DIALECT.claim(claim, lease_ms, ""));
+        match execute(pool, sql).await {
+            Ok(_) => Ok(true),
+            Err(e) if e.as_database_error().is_some_and(|d| d.is_unique_violation()) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn take_over(
+        pool: &Pool<Self>,
+        scope: &Scope<'_>,
+        seen: i64,
+        lease_ms: i64,
+        parked: bool,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = DIALECT.take_over(scope, seen, lease_ms, parked);
+        Ok(execute(pool, with_lock_wait(LEASE_LOCK_WAIT_SECS, &sql)).await? == 1)
+    }
+
+    async fn lease_write(
+        pool: &Pool<Self>,
+        scope: &Scope<'_>,
+        generation: i64,
+        write: &LeaseWrite<'_>,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = DIALECT.write(scope, generation, write);
+        Ok(execute(pool, with_lock_wait(LEASE_LOCK_WAIT_SECS, &sql)).await? == 1)
+    }
+
+    async fn begin_phase(
+        pool: &Pool<Self>,
+        isolation: IsolationLevel,
+    ) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        let begin = format!(
+            "SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION",
+            isolation.as_sql()
+        );
+        pool.begin_with(AssertSqlSafe(begin).into_sql_str()).await
+    }
+
+    async fn commit_fenced(
+        mut tx: Transaction<'static, Self>,
+        scope: &Scope<'_>,
+        generation: i64,
+        write: &LeaseWrite<'_>,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        // The affected-row count is the count of rows found (sqlx asks for
+        // found rows), so it says whether the fence matched.
+        let written = async {
+            let sql = DIALECT.write(scope, generation, write);
+            let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
+            if done.rows_affected() != 1 {
+                return Ok(None);
+            }
+            let expires_at: Option<i64> =
+                sqlx::query_scalar(AssertSqlSafe(DIALECT.expires_at(scope)))
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            Ok::<_, sqlx::Error>(Some(expires_at.unwrap_or_default()))
+        }
+        .await;
+        match written {
+            Ok(Some(expires_at)) => {
+                tx.commit().await?;
+                Ok(Some(expires_at))
+            }
+            Ok(None) => {
+                tx.rollback().await?;
+                Ok(None)
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn list_leases(pool: &Pool<Self>, limit: i64) -> Result<Vec<LeaseRecord>, sqlx::Error> {
+        sqlx::raw_sql(AssertSqlSafe(DIALECT.list(limit)))
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(|row| lease_from_row(LeaseRow::from_row(row)?))
+            .collect()
+    }
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {
@@ -241,4 +342,37 @@ impl Backend for MySql {
             _ => StoreErrorKind::Other,
         }
     }
+}
+
+/// Character text from hex digits.
+fn text(value: &str) -> String {
+    format!("CONVERT({} USING utf8mb4)", x_literal(value.as_bytes()))
+}
+
+const DIALECT: Dialect = Dialect {
+    key: |value| x_literal(value.as_bytes()),
+    text,
+    blob: x_literal,
+    read_key: |column| format!("CONVERT({column} USING utf8mb4)"),
+    now: now_ms!(),
+};
+
+/// The longest wait of a lease statement on another writer's row lock,
+/// seconds (InnoDB counts whole seconds). Phases hold the row's lock only
+/// while they commit.
+const LEASE_LOCK_WAIT_SECS: u64 = 5;
+
+/// `sql` with its lock wait bounded for that statement alone.
+fn with_lock_wait(secs: u64, sql: &str) -> String {
+    format!(
+        "/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ {sql}"
+    )
+}
+
+/// Runs one literal statement on the pool; the rows it found.
+async fn execute(pool: &Pool<MySql>, sql: String) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::raw_sql(AssertSqlSafe(sql))
+        .execute(pool)
+        .await?
+        .rows_affected())
 }

@@ -4,9 +4,11 @@ use sqlx::pool::{MaybePoolConnection, PoolConnection};
 use sqlx::postgres::Postgres;
 use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
 
+use super::lease::{Dialect, LeaseRow, lease_from_row};
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Migration, Record, RecordRow, Scope, StoreErrorKind,
+    Backend, Claim, ClaimOutcome, Completion, IsolationLevel, LeaseRecord, LeaseWrite, Migration,
+    Record, RecordRow, Scope, StoreErrorKind,
     TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, UnresolvedRecord, UnresolvedRow, generic_error_kind,
     migrations, record_from_row, release_savepoint, run_migrations, unresolved_from_row,
 };
@@ -23,6 +25,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     1 => "0001_idempotency_records",
     2 => "0002_byte_scopes_and_reconciliation",
     3 => "0003_hot_completion",
+    4 => "0004_lease_mode",
 );
 
 impl Backend for Postgres {
@@ -145,7 +148,9 @@ impl Backend for Postgres {
         let sql = format!(
             "SELECT status, request_fingerprint, response_status, response_headers, \
              response_body, resource_id, expires_at, \
-             CASE WHEN expires_at <= {now} THEN 1::INT8 ELSE 0::INT8 END \
+             CASE WHEN expires_at <= {now} THEN 1::INT8 ELSE 0::INT8 END, generation, \
+             CASE WHEN locked_until > {now} THEN 1::INT8 ELSE 0::INT8 END, \
+             recovery_point, recovery_data, pending_step \
              FROM idempotency_records WHERE {}",
             where_scope(scope),
             now = now_ms!(),
@@ -186,9 +191,9 @@ impl Backend for Postgres {
         limit: i64,
     ) -> Result<Vec<UnresolvedRecord>, sqlx::Error> {
         let sql = format!(
-            "SELECT principal_id, operation, idem_key, status, response_status, created_at \
-             FROM idempotency_records WHERE status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \
-             ORDER BY created_at LIMIT {limit}"
+            "SELECT principal_id, operation, idem_key, status, response_status, created_at, generation, pending_step \
+             FROM idempotency_records WHERE status = 'NEEDS_RECONCILIATION' \
+             OR (status = 'PROCESSING' AND generation = 0) ORDER BY created_at LIMIT {limit}"
         );
         sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_all(pool)
@@ -251,6 +256,88 @@ impl Backend for Postgres {
         execute(pool, sql).await
     }
 
+    async fn lease_claim(
+        pool: &Pool<Self>,
+        claim: &Claim<'_>,
+        lease_ms: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
+        let sql = format!(
+            "SET LOCAL lock_timeout = '{ms}ms'; {}",
+            DIALECT.claim(
+                claim,
+                lease_ms,
+                "ON CONFLICT (principal_id, operation, idem_key) DO NOTHING"
+            )
+        );
+        Ok(execute(pool, sql).await? == 1)
+    }
+
+    async fn take_over(
+        pool: &Pool<Self>,
+        scope: &Scope<'_>,
+        seen: i64,
+        lease_ms: i64,
+        parked: bool,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = DIALECT.take_over(scope, seen, lease_ms, parked);
+        Ok(execute(pool, bounded_wait(&sql)).await? == 1)
+    }
+
+    async fn lease_write(
+        pool: &Pool<Self>,
+        scope: &Scope<'_>,
+        generation: i64,
+        write: &LeaseWrite<'_>,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = DIALECT.write(scope, generation, write);
+        Ok(execute(pool, bounded_wait(&sql)).await? == 1)
+    }
+
+    async fn begin_phase(
+        pool: &Pool<Self>,
+        isolation: IsolationLevel,
+    ) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        let begin = format!("BEGIN ISOLATION LEVEL {}", isolation.as_sql());
+        pool.begin_with(AssertSqlSafe(begin).into_sql_str()).await
+    }
+
+    async fn commit_fenced(
+        mut tx: Transaction<'static, Self>,
+        scope: &Scope<'_>,
+        generation: i64,
+        write: &LeaseWrite<'_>,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        // One round trip, as `finish`: the division fails when the fence
+        // matched nothing, so the COMMIT never runs for a stale writer.
+        let sql = format!(
+            "WITH done AS ({} RETURNING expires_at)              SELECT max(expires_at) + 0 * (1 / count(*)) FROM done; COMMIT; BEGIN",
+            DIALECT.write(scope, generation, write)
+        );
+        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
+            Ok(rows) => Ok(Some(
+                rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?,
+            )),
+            Err(e) => {
+                let _ = tx.rollback().await;
+                if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("22012") {
+                    Ok(None)
+                } else {
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    async fn list_leases(pool: &Pool<Self>, limit: i64) -> Result<Vec<LeaseRecord>, sqlx::Error> {
+        sqlx::raw_sql(AssertSqlSafe(DIALECT.list(limit)))
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(|row| lease_from_row(LeaseRow::from_row(row)?))
+            .collect()
+    }
+
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {
             return kind;
@@ -274,6 +361,25 @@ impl Backend for Postgres {
         }
     }
 }
+
+/// How lease statements write literals and read the clock.
+const DIALECT: Dialect = Dialect {
+    key: text,
+    text,
+    blob: bytea,
+    read_key: |column| column.to_string(),
+    now: now_ms!(),
+};
+
+/// A lease statement whose row-lock wait is bounded: the statement runs in
+/// the implicit transaction of its query, so `SET LOCAL` ends with it.
+fn bounded_wait(sql: &str) -> String {
+    format!("SET LOCAL lock_timeout = '{LEASE_LOCK_WAIT_MS}ms'; {sql}")
+}
+
+/// The longest wait of a lease statement on another writer's row lock.
+/// Phases hold the row's lock only while they commit.
+const LEASE_LOCK_WAIT_MS: u64 = 5_000;
 
 /// Runs one literal statement on the pool; the rows it changed.
 async fn execute(pool: &Pool<Postgres>, sql: String) -> Result<u64, sqlx::Error> {

@@ -2,10 +2,12 @@
 
 use sqlx::pool::{MaybePoolConnection, PoolConnection};
 use sqlx::sqlite::Sqlite;
-use sqlx::{Pool, SqlSafeStr, Transaction};
+use sqlx::{AssertSqlSafe, FromRow, Pool, SqlSafeStr, Transaction};
 
+use super::lease::{Dialect, LeaseRow, lease_from_row, x_literal};
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT,
+    Backend, Claim, ClaimOutcome, Completion, IsolationLevel, LeaseRecord, LeaseWrite, Migration,
+    Scope, StoreErrorKind, TAKE_SAVEPOINT,
     UNDO_TO_SAVEPOINT, generic_error_kind, migrations, release_savepoint, run_migrations,
     shared_statements,
 };
@@ -22,6 +24,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     1 => "0001_idempotency_records",
     2 => "0002_byte_scopes_and_reconciliation",
     3 => "0003_tombstone_purge_time",
+    4 => "0004_lease_mode",
 );
 
 impl Backend for Sqlite {
@@ -140,8 +143,10 @@ impl Backend for Sqlite {
              response_body, resource_id, expires_at, \
              CASE WHEN expires_at <= ",
             now_ms!(),
-            " THEN 1 ELSE 0 END FROM idempotency_records \
-             WHERE principal_id = ? AND operation = ? AND idem_key = ?"
+            " THEN 1 ELSE 0 END, generation, CASE WHEN locked_until > ",
+            now_ms!(),
+            " THEN 1 ELSE 0 END, recovery_point, recovery_data, pending_step \
+             FROM idempotency_records WHERE principal_id = ? AND operation = ? AND idem_key = ?"
         ),
         mark = concat!(
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
@@ -154,9 +159,9 @@ impl Backend for Sqlite {
              SET status = 'NEEDS_RECONCILIATION', response_status = excluded.response_status \
              WHERE idempotency_records.status = 'PROCESSING'"
         ),
-        list = "SELECT principal_id, operation, idem_key, status, response_status, created_at \
-                FROM idempotency_records WHERE status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \
-                ORDER BY created_at LIMIT ?",
+        list = "SELECT principal_id, operation, idem_key, status, response_status, created_at, generation, pending_step \
+                FROM idempotency_records WHERE status = 'NEEDS_RECONCILIATION' \
+                OR (status = 'PROCESSING' AND generation = 0) ORDER BY created_at LIMIT ?",
         resolve = "UPDATE idempotency_records SET status = ?, response_status = ?, \
                    response_headers = ?, response_body = ?, resource_id = ? \
                    WHERE principal_id = ? AND operation = ? AND idem_key = ? \
@@ -180,6 +185,87 @@ impl Backend for Sqlite {
         ),
     );
 
+    // Lease statements are literal SQL built once for every backend (see
+    // `lease.rs`); lock waits are the connection's busy_timeout.
+
+    async fn lease_claim(
+        pool: &Pool<Self>,
+        claim: &Claim<'_>,
+        lease_ms: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let sql = DIALECT.claim(
+            claim,
+            lease_ms,
+            "ON CONFLICT (principal_id, operation, idem_key) DO NOTHING",
+        );
+        Ok(execute(pool, sql).await? == 1)
+    }
+
+    async fn take_over(
+        pool: &Pool<Self>,
+        scope: &Scope<'_>,
+        seen: i64,
+        lease_ms: i64,
+        parked: bool,
+    ) -> Result<bool, sqlx::Error> {
+        Ok(execute(pool, DIALECT.take_over(scope, seen, lease_ms, parked)).await? == 1)
+    }
+
+    async fn lease_write(
+        pool: &Pool<Self>,
+        scope: &Scope<'_>,
+        generation: i64,
+        write: &LeaseWrite<'_>,
+    ) -> Result<bool, sqlx::Error> {
+        Ok(execute(pool, DIALECT.write(scope, generation, write)).await? == 1)
+    }
+
+    async fn begin_phase(
+        pool: &Pool<Self>,
+        _isolation: IsolationLevel,
+    ) -> Result<Transaction<'static, Self>, sqlx::Error> {
+        // The write lock up front, as for a claim.
+        pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn commit_fenced(
+        mut tx: Transaction<'static, Self>,
+        scope: &Scope<'_>,
+        generation: i64,
+        write: &LeaseWrite<'_>,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        let sql = format!(
+            "{} RETURNING expires_at",
+            DIALECT.write(scope, generation, write)
+        );
+        let written: Result<Option<i64>, _> = sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_optional(&mut *tx)
+            .await;
+        match written {
+            Ok(Some(expires_at)) => {
+                tx.commit().await?;
+                Ok(Some(expires_at))
+            }
+            Ok(None) => {
+                tx.rollback().await?;
+                Ok(None)
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn list_leases(pool: &Pool<Self>, limit: i64) -> Result<Vec<LeaseRecord>, sqlx::Error> {
+        sqlx::raw_sql(AssertSqlSafe(DIALECT.list(limit)))
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(|row| lease_from_row(LeaseRow::from_row(row)?))
+            .collect()
+    }
+
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {
             return kind;
@@ -199,6 +285,27 @@ impl Backend for Sqlite {
             _ => StoreErrorKind::Other,
         }
     }
+}
+
+/// Text as a literal of hex digits (SQLite reads the blob as UTF-8 text).
+fn text(value: &str) -> String {
+    format!("CAST({} AS TEXT)", x_literal(value.as_bytes()))
+}
+
+const DIALECT: Dialect = Dialect {
+    key: text,
+    text,
+    blob: x_literal,
+    read_key: |column| column.to_string(),
+    now: now_ms!(),
+};
+
+/// Runs one literal statement on the pool; the rows it changed.
+async fn execute(pool: &Pool<Sqlite>, sql: String) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::raw_sql(AssertSqlSafe(sql))
+        .execute(pool)
+        .await?
+        .rows_affected())
 }
 
 /// The handler ended the claimed transaction: sqlx still counts it open,

@@ -1,0 +1,341 @@
+//! [`Leased`]: what a lease-mode handler works with, and its [`Phase`]s.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
+use sqlx::{Pool, Transaction};
+
+use super::{LeaseError, LeaseMode};
+use crate::store::{Backend, IsolationLevel, LeaseState, LeaseWrite, Scope};
+use crate::tx::Tx;
+
+/// The lease an attempt holds on its key: the handler's context in lease
+/// mode. Taken from the request extensions (or as an axum extractor); cheap
+/// to clone. See the [module docs](super) for the protocol.
+///
+/// Every write through it is fenced by [`generation`](Self::generation):
+/// once a later attempt has taken the key over, each of them is refused
+/// with [`LeaseError::Lost`] and commits nothing.
+pub struct Leased<DB: Backend> {
+    pub(crate) inner: Arc<Inner<DB>>,
+}
+
+impl<DB: Backend> Clone for Leased<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<DB: Backend> std::fmt::Debug for Leased<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leased")
+            .field("operation", &self.inner.operation)
+            .field("generation", &self.inner.generation)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) struct Inner<DB: Backend> {
+    pub(crate) pool: Pool<DB>,
+    pub(crate) principal: String,
+    pub(crate) operation: String,
+    pub(crate) key: String,
+    pub(crate) generation: i64,
+    pub(crate) mode: LeaseMode,
+    pub(crate) isolation: IsolationLevel,
+    state: Mutex<State>,
+    final_tx: Mutex<Option<Tx<DB>>>,
+}
+
+/// What this attempt knows of its row. Never locked across an `await`.
+#[derive(Debug, Default)]
+pub(crate) struct State {
+    pub(crate) point: Option<String>,
+    pub(crate) data: Map<String, Value>,
+    pub(crate) pending: Option<String>,
+    /// A fenced write was refused: a later attempt owns the row.
+    pub(crate) lost: bool,
+    /// The row was parked as `NEEDS_RECONCILIATION`.
+    pub(crate) parked: bool,
+    /// Something beyond the claim was committed (or may have run).
+    pub(crate) progressed: bool,
+}
+
+impl<DB: Backend> Leased<DB> {
+    /// The context of the attempt that holds `scope` at `generation`, with
+    /// the row's saved state (`None` for a fresh claim).
+    pub(crate) fn new(
+        pool: Pool<DB>,
+        scope: &Scope<'_>,
+        generation: i64,
+        mode: LeaseMode,
+        isolation: IsolationLevel,
+        saved: Option<&LeaseState>,
+    ) -> Result<Self, LeaseError> {
+        let mut state = State::default();
+        if let Some(saved) = saved {
+            state.point = saved.recovery_point.clone();
+            state.pending = saved.pending_step.clone();
+            if let Some(data) = &saved.recovery_data {
+                state.data = serde_json::from_slice(data).map_err(LeaseError::Data)?;
+            }
+            state.progressed =
+                state.point.is_some() || state.pending.is_some() || !state.data.is_empty();
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                pool,
+                principal: scope.principal.to_owned(),
+                operation: scope.operation.to_owned(),
+                key: scope.key.to_owned(),
+                generation,
+                mode,
+                isolation,
+                state: Mutex::new(state),
+                final_tx: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// The key as stored (hashed when the layer hashes keys).
+    pub fn key(&self) -> &str {
+        &self.inner.key
+    }
+
+    /// The stored operation, such as `POST /payments`.
+    pub fn operation(&self) -> &str {
+        &self.inner.operation
+    }
+
+    /// This attempt's fencing token: 1 for the first attempt, one more per
+    /// takeover. Only the ledger checks it; never send it to a provider
+    /// (send the [`StepKey`](super::StepKey)).
+    pub fn generation(&self) -> i64 {
+        self.inner.generation
+    }
+
+    /// Whether this attempt resumes an earlier one (a takeover).
+    pub fn is_resumed(&self) -> bool {
+        self.inner.generation > 1
+    }
+
+    /// The last recovery point committed for this key (a phase or a step
+    /// name), `None` before the first one.
+    pub fn recovery_point(&self) -> Option<String> {
+        self.state().point.clone()
+    }
+
+    /// What the phase or step `point` saved, if it committed.
+    pub fn saved<T: DeserializeOwned>(&self, point: &str) -> Result<Option<T>, LeaseError> {
+        let value = self.state().data.get(point).cloned();
+        value
+            .map(|v| serde_json::from_value(v).map_err(LeaseError::Data))
+            .transpose()
+    }
+
+    /// Begins a local phase: a transaction for business writes that
+    /// [`Phase::commit`] commits together with its recovery point, fenced.
+    /// Dropping the phase rolls it back.
+    pub async fn phase(&self) -> Result<Phase<DB>, LeaseError> {
+        self.usable()?;
+        let tx = DB::begin_phase(&self.inner.pool, self.inner.isolation).await?;
+        Ok(Phase {
+            tx,
+            leased: self.clone(),
+        })
+    }
+
+    /// Begins the final phase: a transaction (through a [`Tx`] handle, as
+    /// in the default mode) in which the layer records the handler's answer,
+    /// fenced, and commits. Lock it, write, drop the guard, and answer.
+    /// At most one per attempt.
+    pub async fn final_phase(&self) -> Result<Tx<DB>, LeaseError> {
+        self.usable()?;
+        if lock(&self.inner.final_tx).is_some() {
+            return Err(LeaseError::Misuse("final_phase called twice"));
+        }
+        let tx = Tx::new(DB::begin_phase(&self.inner.pool, self.inner.isolation).await?);
+        *lock(&self.inner.final_tx) = Some(tx.clone());
+        Ok(tx)
+    }
+
+    /// The final phase's transaction, taken back by the layer (`None` when
+    /// there is none, or the handler still holds its guard).
+    pub(crate) fn take_final(&self) -> Option<Option<Transaction<'static, DB>>> {
+        match lock(&self.inner.final_tx).take() {
+            None => Some(None),
+            Some(handle) => handle.take().map(Some),
+        }
+    }
+
+    pub(crate) fn scope(&self) -> Scope<'_> {
+        Scope {
+            principal: &self.inner.principal,
+            operation: &self.inner.operation,
+            key: &self.inner.key,
+        }
+    }
+
+    pub(crate) fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.inner.state)
+    }
+
+    /// Refuses work once the attempt lost its row or parked it.
+    pub(crate) fn usable(&self) -> Result<(), LeaseError> {
+        let state = self.state();
+        if state.lost {
+            Err(LeaseError::Lost)
+        } else if state.parked {
+            Err(LeaseError::Reconciling)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// One fenced write committed on its own.
+    pub(crate) async fn write(&self, write: &LeaseWrite<'_>) -> Result<(), LeaseError> {
+        let generation = self.inner.generation;
+        if DB::lease_write(&self.inner.pool, &self.scope(), generation, write).await? {
+            Ok(())
+        } else {
+            self.state().lost = true;
+            Err(LeaseError::Lost)
+        }
+    }
+
+    /// The saved data with `value` under `point`, encoded.
+    fn data_with(
+        &self,
+        point: Option<&str>,
+        value: Option<Value>,
+    ) -> Result<(Map<String, Value>, Vec<u8>), LeaseError> {
+        let mut data = self.state().data.clone();
+        if let (Some(point), Some(value)) = (point, value) {
+            data.insert(point.to_owned(), value);
+        }
+        let encoded = serde_json::to_vec(&data).map_err(LeaseError::Data)?;
+        Ok((data, encoded))
+    }
+
+    /// Notes a recovery point (and the data) as committed.
+    fn reached(&self, point: Option<&str>, data: Map<String, Value>) {
+        let mut state = self.state();
+        if let Some(point) = point {
+            state.point = Some(point.to_owned());
+        }
+        state.data = data;
+        state.pending = None;
+        state.progressed = true;
+    }
+
+    /// Commits `tx` with the recovery point `point` (saving `value` under
+    /// it), fenced.
+    pub(crate) async fn commit_point(
+        &self,
+        tx: Transaction<'static, DB>,
+        point: &str,
+        value: Option<Value>,
+    ) -> Result<(), LeaseError> {
+        let (data, encoded) = self.data_with(Some(point), value)?;
+        let write = LeaseWrite::Progress {
+            point: Some(point),
+            data: &encoded,
+            lease_ms: self.inner.mode.lease_ms(),
+        };
+        let committed =
+            DB::commit_fenced(tx, &self.scope(), self.inner.generation, &write).await?;
+        if committed.is_none() {
+            self.state().lost = true;
+            return Err(LeaseError::Lost);
+        }
+        self.reached(Some(point), data);
+        Ok(())
+    }
+
+    /// Records `point` (saving `value` under it; `None`: the point stays)
+    /// with nothing else, fenced, and clears the pending step.
+    pub(crate) async fn save(
+        &self,
+        point: Option<&str>,
+        value: Option<Value>,
+    ) -> Result<(), LeaseError> {
+        let (data, encoded) = self.data_with(point, value)?;
+        self.write(&LeaseWrite::Progress {
+            point,
+            data: &encoded,
+            lease_ms: self.inner.mode.lease_ms(),
+        })
+        .await?;
+        self.reached(point, data);
+        Ok(())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding these locks cannot leave them half-written.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// One local phase of a lease-mode handler: a transaction for business
+/// writes. Dereferences to the connection (`sqlx::query(…).execute(&mut
+/// *phase)`). Dropping it without [`commit`](Self::commit) rolls it back.
+pub struct Phase<DB: Backend> {
+    tx: Transaction<'static, DB>,
+    leased: Leased<DB>,
+}
+
+impl<DB: Backend> std::fmt::Debug for Phase<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Phase").finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> Phase<DB> {
+    /// Commits the phase's writes with the recovery point `point`, if the
+    /// row is still this attempt's: otherwise nothing commits and the
+    /// answer is [`LeaseError::Lost`].
+    pub async fn commit(self, point: &str) -> Result<(), LeaseError> {
+        self.leased.commit_point(self.tx, point, None).await
+    }
+
+    /// As [`commit`](Self::commit), saving `data` (as JSON) under `point`,
+    /// for [`Leased::saved`] in a later attempt.
+    pub async fn commit_with<T: Serialize>(self, point: &str, data: &T) -> Result<(), LeaseError> {
+        let value = serde_json::to_value(data).map_err(LeaseError::Data)?;
+        self.leased.commit_point(self.tx, point, Some(value)).await
+    }
+}
+
+impl<DB: Backend> Deref for Phase<DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &DB::Connection {
+        &self.tx
+    }
+}
+
+impl<DB: Backend> DerefMut for Phase<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        &mut self.tx
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<DB: Backend, S: Send + Sync> axum::extract::FromRequestParts<S> for Leased<DB> {
+    type Rejection = (http::StatusCode, &'static str);
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<Self>().cloned().ok_or((
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+            "this route is not behind an IdempotencyLayer in lease mode",
+        ))
+    }
+}

@@ -1,0 +1,190 @@
+//! Lease mode: idempotent handlers that call the outside world.
+//!
+//! One database transaction cannot cover a call to a payment provider: the
+//! charge can succeed and the process die before the local commit. For such
+//! a route, turn on lease mode ([`IdempotencyLayer::with_lease`]); the key,
+//! scope, fingerprint, replay and problem answers stay those of the default
+//! mode. What changes:
+//!
+//! - **Claim.** The ledger row commits at once as `PROCESSING`, with a lease
+//!   (`locked_until`, on the database's clock) and a fencing `generation`
+//!   (1). The handler gets a [`Leased`] context (an axum extractor, or the
+//!   request extension) with the key, the generation, the last recovery
+//!   point and what was saved.
+//! - **Local phases.** [`Leased::phase`] opens a transaction for business
+//!   writes; [`Phase::commit`] commits them together with the next recovery
+//!   point (and optional JSON data), and only when the row is still at this
+//!   attempt's generation: the fence is in the same transaction as the
+//!   writes, in the statement that records the point. A refused phase
+//!   commits nothing and answers [`LeaseError::Lost`].
+//! - **External steps.** [`Leased::step`] runs one external call with a
+//!   [`StepKey`] derived from the ledger row (principal, operation, key,
+//!   step name): the same for every attempt and takeover, different for
+//!   every step. Pass it to the provider as its idempotency key. The step
+//!   notes itself pending (fenced) before the call, keeps the lease alive
+//!   while the call runs, and saves the result as a recovery point. When a
+//!   step was pending in an earlier attempt, `recover(step_key)` runs first:
+//!   [`Recovered::Done`] finishes the step without calling again, only a
+//!   proven [`Recovered::Absent`] allows `execute`, and
+//!   [`Recovered::Unknown`] (or an error, or a timeout) parks the record as
+//!   `NEEDS_RECONCILIATION`. A failed `execute` (an error or a timeout: the
+//!   call may have landed) is followed by `recover` at once. A step without
+//!   a look-up ([`Leased::step_without_lookup`]) can never prove what
+//!   happened: its uncertain outcomes always go to reconciliation.
+//! - **Finish.** The handler's answer is recorded as in the default mode
+//!   (status, allow-listed headers, body; `SUCCEEDED` or `FAILED_FINAL`),
+//!   fenced, in one transaction with the writes of [`Leased::final_phase`].
+//!   Unlike the default mode a final failure keeps those writes (earlier
+//!   phases are committed already): mark the business row failed there.
+//! - **Transient failures** (the handler answers 5xx, errors, panics, or its
+//!   future is dropped) end the lease at once: the record stays at its last
+//!   recovery point and the client's retry resumes it without waiting. A
+//!   request the handler rejects (4xx such as 400 or 422) before any phase
+//!   or step committed deletes the claim, as in the default mode.
+//! - **Takeover.** A duplicate that finds a live lease waits (bounded by
+//!   [`with_in_flight_wait`](IdempotencyLayer::with_in_flight_wait)), then
+//!   gets `409` + `Retry-After`. One that finds the lease lapsed takes the
+//!   row over in one conditional update (generation + 1, a new lease) and
+//!   resumes from the last recovery point; of concurrent takeovers exactly
+//!   one wins. The earlier owner is refused on its next write (a phase, a
+//!   step, the answer), never records an answer, and its client gets `409`
+//!   `#lease-lost`; the retry gets the new owner's answer.
+//! - **Reconciliation.** A parked record answers every retry with `503`
+//!   `#reconciling` + `Retry-After` and is never executed again on its own.
+//!   [`Reconciler`](crate::Reconciler) lists and resolves such records; a
+//!   [`Completer`] pass retries `recover` for them: `Done` finishes the
+//!   record, a proven `Absent` lets the step run again (with the same step
+//!   key, which the provider deduplicates on), `Unknown` leaves it parked.
+//! - **Completer.** [`Completer`] finds records whose lease lapsed with no
+//!   client retry, takes them over with the same fencing and drives them to
+//!   completion through a resume function registered per operation.
+//!
+//! # When to choose it
+//!
+//! The default mode is one transaction: the claim, the business rows and
+//! the recorded answer commit together, so a crash leaves nothing and a
+//! retry simply runs again. Keep it whenever the handler only writes to the
+//! database the layer is on. Choose lease mode when the handler has an
+//! effect outside that database (a charge, an e-mail, a call to another
+//! service): it costs a commit per phase and step, and in return every
+//! crash point resumes instead of repeating the effect.
+//!
+//! # Guarantees under concurrency
+//!
+//! At most one attempt holds a key's row at a time (the generation names
+//! it); every ledger write of an attempt is refused once a later attempt
+//! took over, in the statement of the write. An external call can still be
+//! made twice for one step (a takeover while the first call is in flight):
+//! both carry the same [`StepKey`], so a provider that deduplicates on it
+//! charges once. Nothing that cannot be proven is re-executed.
+//!
+//! [`IdempotencyLayer::with_lease`]: crate::IdempotencyLayer::with_lease
+//! [`IdempotencyLayer`]: crate::IdempotencyLayer
+
+use std::time::Duration;
+
+mod completer;
+mod context;
+pub(crate) mod settle;
+mod step;
+
+pub use completer::{Completer, CompleterReport};
+pub use context::{Leased, Phase};
+pub use step::{Recovered, StepError, StepKey};
+
+/// The settings of lease mode; see the [module docs](self).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseMode {
+    pub(crate) lease: Duration,
+    pub(crate) step_timeout: Duration,
+}
+
+impl LeaseMode {
+    /// Leases of `lease` (renewed by every phase, and every third of the
+    /// lease while a step runs); steps time out after `lease` too.
+    ///
+    /// A lease shorter than a millisecond is one millisecond.
+    pub fn new(lease: Duration) -> Self {
+        let lease = lease.max(Duration::from_millis(1));
+        Self {
+            lease,
+            step_timeout: lease,
+        }
+    }
+
+    /// The longest one `execute` or `recover` call may run (default: the
+    /// lease). Past it the call counts as failed with an unknown outcome.
+    pub fn with_step_timeout(mut self, timeout: Duration) -> Self {
+        self.step_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    pub(crate) fn lease_ms(&self) -> i64 {
+        crate::expiry::millis(self.lease)
+    }
+}
+
+impl Default for LeaseMode {
+    /// A 30 second lease.
+    fn default() -> Self {
+        Self::new(Duration::from_secs(30))
+    }
+}
+
+/// Why a lease-mode write did not happen.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum LeaseError {
+    /// A later attempt took the record over: stop; nothing more this
+    /// attempt writes is kept, and the layer answers `409 #lease-lost`.
+    Lost,
+    /// A step's outcome could not be established: the record is parked as
+    /// `NEEDS_RECONCILIATION`, and the layer answers `503 #reconciling`.
+    Reconciling,
+    /// The phase API was misused (a second final phase).
+    Misuse(&'static str),
+    /// Saved data could not be encoded or decoded as JSON.
+    Data(serde_json::Error),
+    /// The store failed.
+    Store(sqlx::Error),
+}
+
+impl std::fmt::Display for LeaseError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Lost => f.write_str("the lease was taken over by a later attempt"),
+            Self::Reconciling => f.write_str("the step's outcome is unknown; parked for reconciliation"),
+            Self::Misuse(what) => write!(f, "lease mode misuse: {what}"),
+            Self::Data(e) => write!(f, "saved data: {e}"),
+            Self::Store(e) => write!(f, "ledger: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for LeaseError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Data(e) => Some(e),
+            Self::Store(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<sqlx::Error> for LeaseError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Store(e)
+    }
+}
+
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for LeaseError {
+    /// A `503`: the layer replaces it with the answer the record's state
+    /// calls for (`409 #lease-lost`, `503 #reconciling`), and a store
+    /// failure ends the lease so the retry resumes.
+    fn into_response(self) -> axum::response::Response {
+        let mut res = axum::response::Response::new(axum::body::Body::from(self.to_string()));
+        *res.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+        res
+    }
+}

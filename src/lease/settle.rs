@@ -1,0 +1,190 @@
+//! The end of a lease-mode attempt: record the answer fenced, or end the
+//! lease so the next attempt resumes. Shared by the layer and the completer.
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Response};
+
+use super::{LeaseError, Leased};
+use crate::classify::{Classification, ResourceId};
+use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date};
+use crate::problem::{Problem, ProblemKind};
+use crate::replay::StoredResponse;
+use crate::service::IdempotencyOutcome;
+use crate::store::{Backend, Completion, LeaseWrite, RecordStatus};
+
+/// How soon a retry of a parked key is worth it, seconds.
+pub(crate) const RECONCILING_RETRY: u64 = 30;
+
+/// The answer for a key whose record is parked.
+pub(crate) fn reconciling() -> Problem {
+    let detail = "the outcome of the first request with this Idempotency-Key is unknown; it is not executed again until it has been reconciled. Retry later with the same key";
+    Problem::new(ProblemKind::Reconciling, detail).retry_after(RECONCILING_RETRY)
+}
+
+/// The answer for an attempt that lost its lease to a later one.
+pub(crate) fn lease_lost() -> Problem {
+    let detail = "this attempt ran past its lease and a later attempt with the same Idempotency-Key took over; retry with the same key to get its answer";
+    Problem::new(ProblemKind::LeaseLost, detail).retry_after(1)
+}
+
+fn refused(problem: Problem, attempts: u32) -> (Response<Bytes>, IdempotencyOutcome) {
+    let outcome = IdempotencyOutcome::Refused {
+        problem: problem.kind,
+        attempts,
+    };
+    (problem.into_response(), outcome)
+}
+
+/// Ends the lease so the next attempt resumes at once (best effort: a
+/// lease that cannot be ended lapses on its own).
+pub(crate) async fn release<DB: Backend>(leased: &Leased<DB>) {
+    drop(leased.take_final());
+    if leased.usable().is_ok()
+        && let Err(e) = leased.write(&LeaseWrite::Release).await
+    {
+        tracing::warn!(error = %e, "could not end the lease; it lapses on its own");
+    }
+}
+
+/// Keeps what the handler's answer says to keep and returns what the
+/// client gets.
+pub(crate) async fn settle<DB: Backend>(
+    leased: &Leased<DB>,
+    res: Response<Bytes>,
+    recorded_headers: &[HeaderName],
+) -> (Response<Bytes>, IdempotencyOutcome) {
+    let Some(final_tx) = leased.take_final() else {
+        release(leased).await;
+        let detail = "the handler kept the final phase's transaction after answering; nothing of it was committed";
+        return refused(Problem::new(ProblemKind::TransactionHeld, detail), 1);
+    };
+    {
+        let state = leased.state();
+        if state.lost {
+            return refused(lease_lost(), 1);
+        }
+        if state.parked {
+            return refused(reconciling(), 1);
+        }
+    }
+    let (parts, body) = res.into_parts();
+    let class = parts
+        .extensions
+        .get::<Classification>()
+        .copied()
+        .unwrap_or_else(|| Classification::from_status(parts.status));
+    let outcome = IdempotencyOutcome::Executed(class);
+    let status = match class {
+        Classification::Success => RecordStatus::Succeeded,
+        Classification::FinalFailure => RecordStatus::FailedFinal,
+        Classification::Rejected | Classification::Transient => {
+            drop(final_tx);
+            let progressed = leased.state().progressed;
+            let write = if class == Classification::Rejected && !progressed {
+                // Nothing but the claim was committed: the key may be used
+                // again with a corrected request, as in the default mode.
+                LeaseWrite::Delete
+            } else {
+                LeaseWrite::Release
+            };
+            if let Err(e) = leased.write(&write).await {
+                tracing::warn!(error = %e, "could not end the lease; it lapses on its own");
+            }
+            return (Response::from_parts(parts, body), outcome);
+        }
+    };
+    let stored = StoredResponse::capture(parts.status, &parts.headers, recorded_headers, body);
+    let resource_id = parts
+        .extensions
+        .get::<ResourceId>()
+        .map(ResourceId::as_str)
+        .filter(|id| id.len() <= 255 && !id.contains('\0'));
+    let completion = Completion {
+        status,
+        response_status: i32::from(stored.status),
+        response_headers: &stored.headers,
+        response_body: &stored.body,
+        resource_id,
+    };
+    let inner = &leased.inner;
+    let tx = match final_tx {
+        Some(tx) => Ok(tx),
+        None => DB::begin_phase(&inner.pool, inner.isolation).await,
+    };
+    let committed = match tx {
+        Ok(tx) => {
+            let write = LeaseWrite::Complete(&completion);
+            DB::commit_fenced(tx, &leased.scope(), inner.generation, &write).await
+        }
+        Err(e) => Err(e),
+    };
+    match committed {
+        Ok(Some(expires_at)) => {
+            let mut res = Response::from_parts(parts, stored.body);
+            if let Ok(value) = HeaderValue::from_str(&http_date(expires_at)) {
+                res.headers_mut().insert(IDEMPOTENCY_KEY_EXPIRES, value);
+            }
+            (res, outcome)
+        }
+        Ok(None) => {
+            leased.state().lost = true;
+            refused(lease_lost(), 1)
+        }
+        Err(e) => {
+            // Whether the record committed is unknown: ending the lease is
+            // refused if it did, and lets the retry resume if it did not.
+            tracing::warn!(error = %e, "recording a lease-mode answer failed");
+            release(leased).await;
+            let detail = "the answer could not be recorded; retry with the same key, which resumes or replays";
+            refused(
+                Problem::new(ProblemKind::CommitUnknown, detail).retry_after(1),
+                1,
+            )
+        }
+    }
+}
+
+/// Ends the lease when an attempt is dropped or panics before it settled.
+pub(crate) struct ReleaseOnDrop<DB: Backend> {
+    leased: Option<Leased<DB>>,
+}
+
+impl<DB: Backend> ReleaseOnDrop<DB> {
+    pub(crate) fn new(leased: Leased<DB>) -> Self {
+        Self {
+            leased: Some(leased),
+        }
+    }
+
+    /// The attempt settled: nothing to do on drop.
+    pub(crate) fn disarm(&mut self) {
+        self.leased = None;
+    }
+}
+
+impl<DB: Backend> Drop for ReleaseOnDrop<DB> {
+    fn drop(&mut self) {
+        let Some(leased) = self.leased.take() else {
+            return;
+        };
+        // The final phase (if any) rolls back as its transaction drops.
+        drop(leased.take_final());
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move { release(&leased).await });
+        }
+    }
+}
+
+impl From<LeaseError> for Problem {
+    fn from(e: LeaseError) -> Self {
+        match e {
+            LeaseError::Lost => lease_lost(),
+            LeaseError::Reconciling => reconciling(),
+            other => Problem::new(
+                ProblemKind::StoreUnavailable,
+                format!("lease mode: {other}; retry with the same key"),
+            )
+            .retry_after(1),
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! External steps: one call to the outside world per step, with a step key
+//! that stays the same across attempts, `recover` before any second
+//! `execute`, and the lease kept alive while the call runs.
+
+use std::future::{Future, Ready};
+use std::pin::pin;
+use std::task::Poll;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sha2::{Digest, Sha256};
+
+use super::{LeaseError, Leased};
+use crate::store::{Backend, LeaseWrite};
+
+/// The idempotency key of one external step, derived from the ledger row
+/// (principal, operation, key) and the step's name: the same in every
+/// attempt and takeover of the request, different for every step and
+/// every request. Send it to the provider as its idempotency key, so a
+/// call repeated after a crash is deduplicated there. 64 hex digits.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StepKey(String);
+
+impl StepKey {
+    /// The key's text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for StepKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What a step's look-up found at the provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recovered<T> {
+    /// The call took effect; this is its result.
+    Done(T),
+    /// Proven absent: the provider has no effect for this step key, so the
+    /// step may run (again).
+    Absent,
+    /// The look-up cannot tell: the record goes to reconciliation.
+    Unknown,
+}
+
+/// Why a step gave no result.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StepError<E> {
+    /// The lease or the ledger refused (see [`LeaseError`]): stop.
+    Lease(LeaseError),
+    /// `execute` failed and `recover` proved nothing took effect: the step
+    /// may run again. Answer a 5xx: the lease ends and the retry resumes.
+    Failed(E),
+    /// `execute` timed out and `recover` proved nothing took effect.
+    TimedOut,
+}
+
+impl<E> From<LeaseError> for StepError<E> {
+    fn from(e: LeaseError) -> Self {
+        Self::Lease(e)
+    }
+}
+
+impl<E: std::fmt::Display> std::fmt::Display for StepError<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Lease(e) => e.fmt(f),
+            Self::Failed(e) => write!(f, "the step failed without effect: {e}"),
+            Self::TimedOut => f.write_str("the step timed out without effect"),
+        }
+    }
+}
+
+impl<E: std::fmt::Debug + std::fmt::Display> std::error::Error for StepError<E> {}
+
+/// How the step's call ended.
+enum Call<T, E> {
+    Ok(T),
+    Err(E),
+    TimedOut,
+}
+
+type NoLookup<T, E> = fn(StepKey) -> Ready<Result<Recovered<T>, E>>;
+
+impl<DB: Backend> Leased<DB> {
+    /// The [`StepKey`] of step `name` for this request.
+    pub fn step_key(&self, name: &str) -> StepKey {
+        let mut h = Sha256::new();
+        for part in [
+            self.inner.principal.as_str(),
+            self.inner.operation.as_str(),
+            self.inner.key.as_str(),
+            name,
+        ] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+        StepKey(crate::store::hex(&h.finalize()))
+    }
+
+    /// Runs the external step `name` at most once in effect:
+    ///
+    /// - a step that completed in an earlier attempt returns its saved
+    ///   result without calling anything;
+    /// - a step an earlier attempt may have run calls `recover` first:
+    ///   `Done` is the result, only `Absent` lets `execute` run,
+    ///   `Unknown`, an error or a timeout parks the record
+    ///   ([`LeaseError::Reconciling`]);
+    /// - otherwise the step is noted pending (fenced: a stale attempt is
+    ///   refused here, before any call), `execute` runs under the step
+    ///   timeout while the lease is renewed, and its result is saved as the
+    ///   recovery point `name`. An `execute` error or timeout (the call may
+    ///   have landed) calls `recover` at once, with the same rules.
+    ///
+    /// `T` is saved as JSON: make it everything a later phase needs.
+    pub async fn step<T, E, X, XF, R, RF>(
+        &self,
+        name: &str,
+        execute: X,
+        recover: R,
+    ) -> Result<T, StepError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        X: Fn(StepKey) -> XF,
+        XF: Future<Output = Result<T, E>>,
+        R: Fn(StepKey) -> RF,
+        RF: Future<Output = Result<Recovered<T>, E>>,
+    {
+        self.run_step(name, execute, Some(recover)).await
+    }
+
+    /// A step whose provider offers no look-up: when its outcome is
+    /// uncertain (an earlier attempt may have run it, or `execute` failed
+    /// or timed out) the record is parked for reconciliation, never run
+    /// again.
+    pub async fn step_without_lookup<T, E, X, XF>(
+        &self,
+        name: &str,
+        execute: X,
+    ) -> Result<T, StepError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        X: Fn(StepKey) -> XF,
+        XF: Future<Output = Result<T, E>>,
+    {
+        self.run_step(name, execute, None::<NoLookup<T, E>>).await
+    }
+
+    async fn run_step<T, E, X, XF, R, RF>(
+        &self,
+        name: &str,
+        execute: X,
+        recover: Option<R>,
+    ) -> Result<T, StepError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        X: Fn(StepKey) -> XF,
+        XF: Future<Output = Result<T, E>>,
+        R: Fn(StepKey) -> RF,
+        RF: Future<Output = Result<Recovered<T>, E>>,
+    {
+        self.usable()?;
+        if let Some(done) = self.saved::<T>(name)? {
+            return Ok(done);
+        }
+        let key = self.step_key(name);
+        let pending = self.state().pending.as_deref() == Some(name);
+        if pending {
+            match self.recover(&key, recover.as_ref()).await {
+                Recovered::Done(result) => return self.finish_step(name, result).await,
+                Recovered::Absent => {}
+                Recovered::Unknown => return Err(self.park(name).await.into()),
+            }
+        }
+        self.write(&LeaseWrite::Pending {
+            step: name,
+            lease_ms: self.inner.mode.lease_ms(),
+        })
+        .await?;
+        {
+            let mut state = self.state();
+            state.pending = Some(name.to_owned());
+            state.progressed = true;
+        }
+        let failure = match self.bounded(execute(key.clone())).await {
+            Call::Ok(result) => return self.finish_step(name, result).await,
+            Call::Err(e) => StepError::Failed(e),
+            Call::TimedOut => StepError::TimedOut,
+        };
+        tracing::warn!(step = name, "an external step failed or timed out; recovering its outcome");
+        match self.recover(&key, recover.as_ref()).await {
+            Recovered::Done(result) => self.finish_step(name, result).await,
+            Recovered::Absent => {
+                // Nothing happened: the step is no longer pending.
+                self.save(None, None).await?;
+                Err(failure)
+            }
+            Recovered::Unknown => Err(self.park(name).await.into()),
+        }
+    }
+
+    /// Saves a step's result as its recovery point.
+    async fn finish_step<T: Serialize, E>(&self, name: &str, result: T) -> Result<T, StepError<E>> {
+        let value = serde_json::to_value(&result).map_err(LeaseError::Data)?;
+        self.save(Some(name), Some(value)).await?;
+        Ok(result)
+    }
+
+    /// Asks `recover`, bounded; no look-up, an error or a timeout is
+    /// `Unknown`.
+    async fn recover<T, E, R, RF>(&self, key: &StepKey, recover: Option<&R>) -> Recovered<T>
+    where
+        R: Fn(StepKey) -> RF,
+        RF: Future<Output = Result<Recovered<T>, E>>,
+    {
+        let Some(recover) = recover else {
+            return Recovered::Unknown;
+        };
+        match self.bounded(recover(key.clone())).await {
+            Call::Ok(found) => found,
+            Call::Err(_) | Call::TimedOut => Recovered::Unknown,
+        }
+    }
+
+    /// Parks the record as `NEEDS_RECONCILIATION`; the error to stop with.
+    async fn park(&self, step: &str) -> LeaseError {
+        tracing::error!(
+            step,
+            "the outcome of an external step is unknown; the key is parked for reconciliation"
+        );
+        match self.write(&LeaseWrite::Park).await {
+            Ok(()) => {
+                self.state().parked = true;
+                LeaseError::Reconciling
+            }
+            Err(e) => e,
+        }
+    }
+
+    /// Runs a call under the step timeout, renewing the lease every third
+    /// of it meanwhile (a renewal refused marks the attempt lost; the call
+    /// still runs to its end, bounded by the timeout).
+    async fn bounded<T, E>(&self, call: impl Future<Output = Result<T, E>>) -> Call<T, E> {
+        let mut call = pin!(tokio::time::timeout(self.inner.mode.step_timeout, call));
+        let period = (self.inner.mode.lease / 3).max(std::time::Duration::from_millis(1));
+        loop {
+            let mut tick = pin!(tokio::time::sleep(period));
+            let ended = std::future::poll_fn(|cx| match call.as_mut().poll(cx) {
+                Poll::Ready(out) => Poll::Ready(Some(out)),
+                Poll::Pending => tick.as_mut().poll(cx).map(|()| None),
+            })
+            .await;
+            match ended {
+                Some(Ok(Ok(out))) => return Call::Ok(out),
+                Some(Ok(Err(e))) => return Call::Err(e),
+                Some(Err(_)) => return Call::TimedOut,
+                None => {
+                    let renew = LeaseWrite::Renew {
+                        lease_ms: self.inner.mode.lease_ms(),
+                    };
+                    if let Err(e) = self.write(&renew).await {
+                        tracing::warn!(error = %e, "could not renew the lease during a step");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! Lease mode in the service: claim or take over the key, run the handler
+//! with its [`Leased`] context, settle the answer.
+
+use std::panic::resume_unwind;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Request, Response};
+use http_body::Body;
+use tower_service::Service;
+
+use super::claim::{MIN_READ_WAIT, Pending, backoff};
+use super::{
+    Answer, BoxError, CatchUnwind, Identity, Run, buffered, read_response, refusal, refuse,
+    store_problem,
+};
+use crate::body::IdempotencyBody;
+use crate::expiry::millis;
+use crate::lease::settle::{ReleaseOnDrop, release, settle};
+use crate::lease::{LeaseMode, Leased};
+use crate::observe;
+use crate::problem::Problem;
+use crate::store::{Backend, Claim, RecordStatus};
+
+/// How a lease-mode claim ended.
+enum LeaseClaim<DB: Backend> {
+    /// This attempt holds the key.
+    Won(Leased<DB>),
+    /// Answer without running the handler.
+    Answer(Answer),
+}
+
+impl<DB: Backend> Run<DB> {
+    /// The lease-mode path of a guarded request.
+    pub(super) async fn leased<S, ReqBody, ResBody>(
+        &self,
+        mode: LeaseMode,
+        inner: S,
+        id: &Identity<'_>,
+        parts: Parts,
+        body: Bytes,
+        deadline: Instant,
+    ) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
+    where
+        S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>,
+        ResBody: Body<Data = Bytes>,
+        ResBody::Error: Into<BoxError>,
+    {
+        let claiming = Instant::now();
+        let claimed = self.lease_claim(mode, id, deadline).await;
+        observe::timing("claim_ms", claiming.elapsed());
+        match claimed {
+            LeaseClaim::Answer((res, outcome)) => Ok(buffered(res, outcome)),
+            LeaseClaim::Won(leased) => self.run_leased(inner, leased, parts, body).await,
+        }
+    }
+
+    /// Claims the key, or takes a lapsed lease over, or finds the answer a
+    /// retry gets; waits on a live lease until `deadline`.
+    async fn lease_claim(&self, mode: LeaseMode, id: &Identity<'_>, deadline: Instant) -> LeaseClaim<DB> {
+        let cfg = &self.config;
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let claim = Claim {
+                scope: id.scope,
+                fingerprint: id.fingerprint.as_bytes(),
+                retention_ms: millis(cfg.retention),
+                lock_wait: left.clamp(Duration::from_millis(1), MIN_READ_WAIT),
+                isolation: cfg.isolation,
+            };
+            let won = bounded(left, DB::lease_claim(&self.pool, &claim, mode.lease_ms())).await;
+            let state = match won {
+                Ok(true) => None,
+                Ok(false) => match self.lease_lookup(mode, id, deadline, attempts).await {
+                    Lookup::Answer(answer) => return LeaseClaim::Answer(answer),
+                    Lookup::TookOver(leased) => return LeaseClaim::Won(leased),
+                    Lookup::Wait => Some(()),
+                },
+                Err(e) => return LeaseClaim::Answer(refusal(store_problem::<DB>(&e), attempts)),
+            };
+            if state.is_none() {
+                return match Leased::new(self.pool.clone(), &id.scope, 1, mode, cfg.isolation, None) {
+                    Ok(leased) => LeaseClaim::Won(leased),
+                    Err(e) => LeaseClaim::Answer(refusal(Problem::from(e), attempts)),
+                };
+            }
+            let delay = backoff(attempts);
+            if Instant::now() + delay >= deadline {
+                return LeaseClaim::Answer(self.pending(Pending::InFlight, attempts));
+            }
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// Reads the row that holds the key: a stored answer, a lapsed lease to
+    /// take over, or a live one to wait on.
+    async fn lease_lookup(
+        &self,
+        mode: LeaseMode,
+        id: &Identity<'_>,
+        deadline: Instant,
+        attempts: u32,
+    ) -> Lookup<DB> {
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .max(MIN_READ_WAIT);
+        let record = match bounded(wait, DB::fetch(&self.pool, &id.scope)).await {
+            Ok(Some(record)) => record,
+            // Deleted in between (a rejected request): claim again.
+            Ok(None) => return Lookup::Wait,
+            Err(e) => return Lookup::Answer(refusal(store_problem::<DB>(&e), attempts)),
+        };
+        let leased = record.status == RecordStatus::Processing
+            && record.fingerprint == id.fingerprint.as_bytes();
+        let lease = match (&record.lease, leased) {
+            (Some(lease), true) => lease,
+            _ => return Lookup::Answer(self.judge(&record, id, attempts)),
+        };
+        if lease.live {
+            return Lookup::Wait;
+        }
+        let took = DB::take_over(&self.pool, &id.scope, lease.generation, mode.lease_ms(), false);
+        match bounded(wait, took).await {
+            Ok(true) => {}
+            // Another attempt took it first: wait on its lease.
+            Ok(false) => return Lookup::Wait,
+            Err(e) => return Lookup::Answer(refusal(store_problem::<DB>(&e), attempts)),
+        }
+        let generation = lease.generation + 1;
+        tracing::info!(generation, "took over a lapsed lease; resuming");
+        let leased = Leased::new(
+            self.pool.clone(),
+            &id.scope,
+            generation,
+            mode,
+            self.config.isolation,
+            Some(lease),
+        );
+        match leased {
+            Ok(leased) => Lookup::TookOver(leased),
+            Err(e) => Lookup::Answer(refusal(Problem::from(e), attempts)),
+        }
+    }
+
+    /// Runs the handler with its lease and settles the answer; a panic, an
+    /// error or a dropped future ends the lease at once.
+    async fn run_leased<S, ReqBody, ResBody>(
+        &self,
+        mut inner: S,
+        leased: Leased<DB>,
+        parts: Parts,
+        body: Bytes,
+    ) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
+    where
+        S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>,
+        ResBody: Body<Data = Bytes>,
+        ResBody::Error: Into<BoxError>,
+    {
+        let mut guard = ReleaseOnDrop::new(leased.clone());
+        let mut req = Request::from_parts(parts, IdempotencyBody::buffered(body));
+        req.extensions_mut().insert(leased.clone());
+        let handling = Instant::now();
+        let result = CatchUnwind {
+            inner: inner.call(req),
+        }
+        .await;
+        observe::timing("handler_ms", handling.elapsed());
+        let res = match result {
+            Err(panic) => {
+                guard.disarm();
+                release(&leased).await;
+                resume_unwind(panic);
+            }
+            Ok(Err(e)) => {
+                guard.disarm();
+                release(&leased).await;
+                return Err(e);
+            }
+            Ok(Ok(res)) => res,
+        };
+        let res = match read_response(res, self.config.max_response_body).await {
+            Ok(res) => res,
+            Err(problem) => {
+                guard.disarm();
+                release(&leased).await;
+                return Ok(refuse(problem, 1));
+            }
+        };
+        let (res, outcome) = settle(&leased, res, &self.config.recorded_headers).await;
+        guard.disarm();
+        Ok(buffered(res, outcome))
+    }
+}
+
+/// What the row holding a key means for a lease-mode request.
+enum Lookup<DB: Backend> {
+    Answer(Answer),
+    TookOver(Leased<DB>),
+    /// A live lease (or a row gone in between): try again after a pause.
+    Wait,
+}
+
+/// A store call bounded by `wait`; running out is a busy store.
+async fn bounded<T>(
+    wait: Duration,
+    call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, sqlx::Error> {
+    tokio::time::timeout(wait.max(MIN_READ_WAIT), call)
+        .await
+        .unwrap_or(Err(sqlx::Error::PoolTimedOut))
+}
+

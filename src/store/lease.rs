@@ -1,0 +1,231 @@
+//! The ledger statements of lease mode, written once for every backend.
+//!
+//! Each backend supplies a [`Dialect`] (how a value becomes an SQL literal
+//! made of hex digits, and its database clock); the statements are built
+//! here. Every write on a leased row is **fenced**: its `WHERE` names the
+//! generation the writer holds, so a write from an owner that lost the row
+//! to a takeover matches nothing, in the same statement as the write.
+
+use super::literal::hex;
+use super::{Claim, Completion, RecordStatus, Scope};
+
+/// How a backend writes literals and reads its clock.
+pub(crate) struct Dialect {
+    /// A value for a binary-compared text column (scope, step and point).
+    pub(crate) key: fn(&str) -> String,
+    /// A value for a character text column (`resource_id`).
+    pub(crate) text: fn(&str) -> String,
+    /// A value for a binary column.
+    pub(crate) blob: fn(&[u8]) -> String,
+    /// A key column read back as text.
+    pub(crate) read_key: fn(&str) -> String,
+    /// The database clock, epoch milliseconds.
+    pub(crate) now: &'static str,
+}
+
+/// A fenced write on a leased row. Every variant matches only while the
+/// row is `PROCESSING` or `NEEDS_RECONCILIATION` at the writer's generation.
+#[derive(Debug, Clone, Copy)]
+pub enum LeaseWrite<'a> {
+    /// Extends the lease to `lease_ms` from now.
+    Renew {
+        /// The lease, milliseconds.
+        lease_ms: i64,
+    },
+    /// Notes that an external step is about to run, and extends the lease.
+    Pending {
+        /// The step's name.
+        step: &'a str,
+        /// The lease, milliseconds.
+        lease_ms: i64,
+    },
+    /// Records a recovery point and the saved data (a JSON object),
+    /// clears the pending step, and extends the lease.
+    Progress {
+        /// The point reached (`None`: the point stays where it was).
+        point: Option<&'a str>,
+        /// Everything saved so far, a JSON object.
+        data: &'a [u8],
+        /// The lease, milliseconds.
+        lease_ms: i64,
+    },
+    /// Ends the lease now, so the next retry (or the completer) resumes
+    /// at once; the row is `PROCESSING` at its last recovery point.
+    Release,
+    /// Parks the row as `NEEDS_RECONCILIATION` (its pending step kept, to
+    /// tell which outcome is unknown); it is never resumed on its own.
+    Park,
+    /// An operator's verdict on a parked row: the pending step had no
+    /// effect. The row is `PROCESSING` again with its lease ended and no
+    /// pending step, so the next attempt resumes and runs the step.
+    Rerun,
+    /// Records the answer, `SUCCEEDED` or `FAILED_FINAL`, and ends the lease.
+    Complete(&'a Completion<'a>),
+    /// Deletes the row: nothing was committed but the claim, and the key
+    /// may be used again (a request the handler rejected).
+    Delete,
+}
+
+/// A leased row that a completer may take over, as listed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRecord {
+    /// The stored principal.
+    pub principal: String,
+    /// The stored operation.
+    pub operation: String,
+    /// The stored key.
+    pub key: String,
+    /// `PROCESSING` (lease lapsed) or `NEEDS_RECONCILIATION`.
+    pub status: RecordStatus,
+    /// The generation seen; a takeover must name it.
+    pub generation: i64,
+}
+
+pub(crate) type LeaseRow = (String, String, String, String, i64);
+
+pub(crate) fn lease_from_row(row: LeaseRow) -> Result<LeaseRecord, sqlx::Error> {
+    let (principal, operation, key, status, generation) = row;
+    Ok(LeaseRecord {
+        principal,
+        operation,
+        key,
+        status: super::parse_status(&status)?,
+        generation,
+    })
+}
+
+const UNSETTLED: &str = "status IN ('PROCESSING', 'NEEDS_RECONCILIATION')";
+
+impl Dialect {
+    /// The three scope columns, as a condition.
+    pub(crate) fn scope(&self, scope: &Scope<'_>) -> String {
+        format!(
+            "principal_id = {} AND operation = {} AND idem_key = {}",
+            (self.key)(scope.principal),
+            (self.key)(scope.operation),
+            (self.key)(scope.key),
+        )
+    }
+
+    /// The fence: the scope, at the writer's generation, not yet settled.
+    pub(crate) fn fenced(&self, scope: &Scope<'_>, generation: i64) -> String {
+        format!(
+            "{} AND generation = {generation} AND {UNSETTLED}",
+            self.scope(scope)
+        )
+    }
+
+    /// A lease claim: `PROCESSING`, generation 1, leased for `lease_ms`.
+    /// `tail` is the backend's conflict clause.
+    pub(crate) fn claim(&self, claim: &Claim<'_>, lease_ms: i64, tail: &str) -> String {
+        format!(
+            "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
+             request_fingerprint, status, created_at, expires_at, generation, locked_until) \
+             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}, 1, {now} + {lease_ms}) {tail}",
+            (self.key)(claim.scope.principal),
+            (self.key)(claim.scope.operation),
+            (self.key)(claim.scope.key),
+            (self.blob)(claim.fingerprint),
+            claim.retention_ms,
+            now = self.now,
+        )
+    }
+
+    /// Takes a lapsed lease (or, with `parked`, a parked row) over: one
+    /// conditional statement that names the generation seen.
+    pub(crate) fn take_over(
+        &self,
+        scope: &Scope<'_>,
+        seen: i64,
+        lease_ms: i64,
+        parked: bool,
+    ) -> String {
+        let also = if parked {
+            " OR (status = 'NEEDS_RECONCILIATION' AND (locked_until IS NULL OR locked_until <= "
+        } else {
+            ""
+        };
+        format!(
+            "UPDATE idempotency_records SET generation = {}, locked_until = {now} + {lease_ms} \
+             WHERE {} AND generation = {seen} AND ((status = 'PROCESSING' \
+             AND locked_until <= {now}){also}{close})",
+            seen.saturating_add(1),
+            self.scope(scope),
+            close = if parked { format!("{}))", self.now) } else { String::new() },
+            now = self.now,
+        )
+    }
+
+    /// The statement of a fenced write.
+    pub(crate) fn write(&self, scope: &Scope<'_>, generation: i64, write: &LeaseWrite<'_>) -> String {
+        let fence = self.fenced(scope, generation);
+        let set = match write {
+            LeaseWrite::Delete => return format!("DELETE FROM idempotency_records WHERE {fence}"),
+            LeaseWrite::Renew { lease_ms } => format!("locked_until = {} + {lease_ms}", self.now),
+            LeaseWrite::Pending { step, lease_ms } => format!(
+                "pending_step = {}, locked_until = {} + {lease_ms}",
+                (self.key)(step),
+                self.now
+            ),
+            LeaseWrite::Progress {
+                point,
+                data,
+                lease_ms,
+            } => format!(
+                "recovery_point = {}, recovery_data = {}, pending_step = NULL, \
+                 locked_until = {} + {lease_ms}",
+                point.map_or_else(|| "recovery_point".to_string(), self.key),
+                (self.blob)(data),
+                self.now
+            ),
+            LeaseWrite::Release => format!("status = 'PROCESSING', locked_until = {}", self.now),
+            LeaseWrite::Rerun => format!(
+                "status = 'PROCESSING', locked_until = {}, pending_step = NULL",
+                self.now
+            ),
+            LeaseWrite::Park => "status = 'NEEDS_RECONCILIATION', locked_until = NULL".to_string(),
+            LeaseWrite::Complete(c) => format!(
+                "status = '{}', response_status = {}, response_headers = {}, \
+                 response_body = {}, resource_id = {}, locked_until = NULL, pending_step = NULL",
+                c.status.as_str(),
+                c.response_status,
+                (self.blob)(c.response_headers),
+                (self.blob)(c.response_body),
+                c.resource_id.map_or_else(|| "NULL".to_string(), self.text),
+            ),
+        };
+        format!("UPDATE idempotency_records SET {set} WHERE {fence}")
+    }
+
+    /// The rows a completer may take over, oldest lease first.
+    pub(crate) fn list(&self, limit: i64) -> String {
+        format!(
+            "SELECT {}, {}, {}, status, generation FROM idempotency_records \
+             WHERE locked_until <= {now} AND generation > 0 AND status = 'PROCESSING' \
+             UNION ALL SELECT {}, {}, {}, status, generation FROM idempotency_records \
+             WHERE status = 'NEEDS_RECONCILIATION' AND generation > 0 \
+             AND pending_step IS NOT NULL AND (locked_until IS NULL OR locked_until <= {now}) \
+             LIMIT {limit}",
+            (self.read_key)("principal_id"),
+            (self.read_key)("operation"),
+            (self.read_key)("idem_key"),
+            (self.read_key)("principal_id"),
+            (self.read_key)("operation"),
+            (self.read_key)("idem_key"),
+            now = self.now,
+        )
+    }
+
+    /// The row's `expires_at`, read back after a fenced completion.
+    pub(crate) fn expires_at(&self, scope: &Scope<'_>) -> String {
+        format!(
+            "SELECT expires_at FROM idempotency_records WHERE {}",
+            self.scope(scope)
+        )
+    }
+}
+
+/// Hex literal for SQLite and MySQL binary values.
+pub(crate) fn x_literal(value: &[u8]) -> String {
+    format!("X'{}'", hex(value))
+}
