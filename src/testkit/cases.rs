@@ -12,6 +12,8 @@ use super::{ConformanceDb, Harness, order, send};
 use crate::expiry::http_date;
 use crate::{IdempotencyLayer, Sweeper};
 
+pub use super::lease::cases::*;
+
 const BODY: &str = r#"{"amount":12000,"items":[]}"#;
 const ALICE: Option<&str> = Some("user-42");
 const KEY: Option<&str> = Some("\"checkout-20260914-001\"");
