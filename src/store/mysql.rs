@@ -6,9 +6,9 @@ use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT,
-    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, release_savepoint, run_migrations,
-    shared_statements,
+    Backend, Claim, ClaimOutcome, Completion, FinishError, Migration, Scope, StoreErrorKind,
+    TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind, migrations, release_savepoint,
+    run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds, in UTC arithmetic only (no
@@ -118,17 +118,20 @@ impl Backend for MySql {
     }
 
     async fn finish(
+        _pool: &Pool<Self>,
         mut tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
-    ) -> Result<i64, sqlx::Error> {
+    ) -> Result<i64, FinishError> {
         // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, record,
         // read the expiry, commit. The read fails (a scalar subquery of two
         // rows) when the recorded row is missing, so the COMMIT never runs
         // without it. The trailing `START TRANSACTION` opens an empty
         // transaction that matches sqlx's count of one open transaction;
-        // its rollback is queued when `tx` drops.
+        // its rollback is queued when `tx` drops. A connection lost during
+        // the COMMIT is left to the layer's re-read of the ledger
+        // (`FinishError::Store`).
         let release = release_savepoint(c.status);
         let resource = c.resource_id.map_or_else(
             || "NULL".to_string(),
@@ -156,10 +159,10 @@ impl Backend for MySql {
             hex(c.response_body),
         );
         match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
-            Ok(rows) => rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0),
+            Ok(rows) => Ok(rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?),
             Err(e) => {
                 let _ = tx.rollback().await;
-                Err(e)
+                Err(e.into())
             }
         }
     }

@@ -5,9 +5,9 @@ use sqlx::sqlite::Sqlite;
 use sqlx::{Pool, SqlSafeStr, Transaction};
 
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT,
-    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, release_savepoint, run_migrations,
-    shared_statements,
+    Backend, Claim, ClaimOutcome, Completion, FinishError, Migration, Scope, StoreErrorKind,
+    TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind, migrations, release_savepoint,
+    run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
@@ -85,19 +85,21 @@ impl Backend for Sqlite {
     }
 
     async fn finish(
+        _pool: &Pool<Self>,
         mut tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
-    ) -> Result<i64, sqlx::Error> {
+    ) -> Result<i64, FinishError> {
         // An embedded database has no round trips to save: prove the
         // claimed transaction is still ours, record with parameters, commit.
+        // No connection to lose: every error is a `FinishError::Store`.
         if let Err(e) = sqlx::raw_sql(release_savepoint(c.status))
             .execute(&mut *tx)
             .await
         {
             let e = reopen_if_ended(&mut tx, e).await;
             let _ = tx.rollback().await;
-            return Err(e);
+            return Err(e.into());
         }
         let recorded: Result<i64, _> = sqlx::query_scalar(
             "UPDATE idempotency_records SET status = ?, response_status = ?, \
@@ -121,7 +123,7 @@ impl Backend for Sqlite {
             }
             Err(e) => {
                 let _ = tx.rollback().await;
-                Err(e)
+                Err(e.into())
             }
         }
     }
