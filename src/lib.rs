@@ -98,7 +98,7 @@
 //! | same scope, first still running | waits up to the in-flight wait (one budget, see below), then replays; else `409` + `Retry-After` | nothing new |
 //! | key taken but its record unreadable | retries within attempts and the same budget, then `409` + `Retry-After` | nothing new |
 //! | key past its retention (database clock), or a tombstone | `410` problem naming the resource | nothing new, never a new execution |
-//! | connection lost during `COMMIT` | the answer if the ledger shows the commit, else `503` + `Retry-After` | what committed |
+//! | connection lost during `COMMIT` | PostgreSQL asks the server on a fresh connection (`txid_status` of the `txid_current()` read in the committing batch): committed, the answer; rolled back, `503` `#commit-unknown` + `Retry-After`; still in progress, `409` `#in-flight` + `Retry-After`. When the server cannot say (an id too old, no answer within 1 s), and on SQLite and MySQL: the answer if the ledger shows the commit, else `503` `#commit-unknown` + `Retry-After` | what committed |
 //! | store busy (SQLite's write lock, no pooled connection in time) | `503` + `Retry-After`, `#store-busy` | nothing |
 //! | serialization failure or deadlock when recording or committing | `503` + `Retry-After`, `#transaction-conflict` | nothing |
 //! | the handler ended the claimed transaction itself | `500`, `#transaction-ended`; every retry `503` `#reconciling` until an operator resolves the key ([`Reconciler`]) | what the handler committed |

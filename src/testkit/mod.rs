@@ -311,6 +311,14 @@ impl<DB: ConformanceDb> Harness<DB> {
         }
     }
 
+    /// The same database and counter, reached through `pool` instead (a
+    /// pool through a [`relay`] or a proxy): the layer, the handler and the
+    /// assertions all use it.
+    pub fn with_pool(mut self, pool: Pool<DB>) -> Self {
+        self.pool = pool;
+        self
+    }
+
     /// The default layer for these tests: Bearer-token principals.
     pub fn layer(&self) -> IdempotencyLayer<DB> {
         IdempotencyLayer::new(self.pool.clone()).with_principal(bearer)
