@@ -42,7 +42,7 @@
 //!   request the handler rejects (4xx such as 400 or 422) before any phase
 //!   or step committed deletes the claim, as in the default mode.
 //! - **Takeover.** A duplicate that finds a live lease waits (bounded by
-//!   [`with_in_flight_wait`](IdempotencyLayer::with_in_flight_wait)), then
+//!   [`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)), then
 //!   gets `409` + `Retry-After`. One that finds the lease lapsed takes the
 //!   row over in one conditional update (generation + 1, a new lease) and
 //!   resumes from the last recovery point; of concurrent takeovers exactly

@@ -623,7 +623,7 @@ fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
         recovery_data,
         pending_step,
     ) = row;
-    let lease = (generation > 0).then(|| LeaseState {
+    let lease = (generation > 0).then_some(LeaseState {
         generation,
         live: live != 0,
         recovery_point,

@@ -16,7 +16,6 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use bytes::Bytes;
 use http::StatusCode;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -317,7 +316,7 @@ impl<DB: ConformanceDb> PayApp<DB> {
                     .await
                     .map(|b| b.to_bytes())
                     .unwrap_or_default();
-                http::Response::from_parts(parts, Bytes::from(body))
+                http::Response::from_parts(parts, body)
             }
         })
     }
