@@ -196,9 +196,20 @@
 //! compares byte for byte on every store (no collation makes `alice` equal
 //! `alice ` or `Alice`), and the default operation is the route template
 //! (axum) or the RFC 3986-normalized path (see
-//! [`IdempotencyLayer::with_operation`]). A call to another system (a payment provider, a message broker) is not rolled back
-//! with the transaction: pass the idempotency key on to that system and treat
-//! an unconfirmed outcome as something to reconcile, not to repeat.
+//! [`IdempotencyLayer::with_operation`]). A call to another system (a
+//! payment provider, a message broker) is not rolled back with the
+//! transaction: for such handlers use lease mode (below).
+//!
+//! # Lease mode
+//!
+//! For a handler with an effect outside the database,
+//! [`IdempotencyLayer::with_lease`] commits the claim first with a lease and
+//! a fencing generation; the handler works in phases (business writes
+//! committed with a recovery point, fenced) and external steps (a step key
+//! the provider deduplicates on, `recover` before any second `execute`,
+//! unknown outcomes parked for reconciliation), and a retry after a crash
+//! resumes where the last attempt stopped. A [`Completer`](lease::Completer)
+//! finishes abandoned records with no client retry. See [`lease`].
 
 #![deny(unreachable_pub, unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
