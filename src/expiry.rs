@@ -206,9 +206,56 @@ pub(crate) fn http_date(epoch_ms: i64) -> String {
     )
 }
 
+/// Parses an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`, the form every
+/// HTTP/1.1 sender must use) into epoch milliseconds; `None` otherwise.
+#[cfg_attr(not(feature = "client"), allow(dead_code))]
+pub(crate) fn parse_http_date(s: &str) -> Option<i64> {
+    const MONTHS: [&str; 12] = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let rest = s.get(5..)?.strip_suffix(" GMT")?;
+    let mut parts = rest.split(' ');
+    let (day, month, year, time) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() || day.len() != 2 || year.len() != 4 || time.len() != 8 {
+        return None;
+    }
+    let num = |t: &str| -> Option<i64> {
+        t.bytes()
+            .all(|b| b.is_ascii_digit())
+            .then(|| t.parse().ok())?
+    };
+    let (day, year) = (num(day)?, num(year)?);
+    let month = i64::try_from(MONTHS.iter().position(|m| *m == month)? + 1).ok()?;
+    let mut hms = time.split(':');
+    let (h, m, sec) = (num(hms.next()?)?, num(hms.next()?)?, num(hms.next()?)?);
+    if !(1..=31).contains(&day) || h > 23 || m > 59 || sec > 60 {
+        return None;
+    }
+    // Days since 1970-01-01 from a civil date (H. Hinnant's algorithm).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = if month > 2 { month - 3 } else { month + 9 };
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some((days * 86_400 + h * 3600 + m * 60 + sec) * 1000)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn http_dates_parse_back() {
+        for ms in [0, 784_111_777_000, 1_795_963_187_000, 951_782_400_000] {
+            assert_eq!(parse_http_date(&http_date(ms)), Some(ms));
+        }
+        assert_eq!(parse_http_date("Sunday, 06-Nov-94 08:49:37 GMT"), None);
+        assert_eq!(parse_http_date("Sun, 06 Nov 1994 08:49:37"), None);
+        assert_eq!(parse_http_date("Sun, 06 Foo 1994 08:49:37 GMT"), None);
+        assert_eq!(parse_http_date("Sun, +6 Nov 1994 08:49:37 GMT"), None);
+    }
 
     #[test]
     fn http_dates() {

@@ -216,6 +216,8 @@
 
 mod body;
 mod classify;
+#[cfg(feature = "client")]
+pub mod client;
 mod expiry;
 mod fingerprint;
 mod key;

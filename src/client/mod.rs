@@ -1,0 +1,575 @@
+//! The client half (feature `client`): [`IdempotentRetryLayer`], a tower
+//! layer for HTTP clients that keeps one `Idempotency-Key` per logical
+//! request and retries it safely.
+//!
+//! For guarded methods (POST and PATCH by default) the layer attaches an
+//! `Idempotency-Key` when the request has none (a random UUID v4, or the
+//! [`IntentKey`] the caller put in the request extensions for an intent that
+//! must survive a process restart) and sends **the same key on every
+//! attempt**, so the server runs the operation at most once however many
+//! attempts reach it.
+//!
+//! # What is retried
+//!
+//! | answer | retried? |
+//! |---|---|
+//! | connection error, or the attempt's own timeout (the request may have landed: exactly when the key matters) | yes |
+//! | `409` whose problem `type` is `#in-flight`, `#unconfirmed` or `#lease-lost` (this crate's server layer) | yes, honouring `Retry-After` |
+//! | `429`, `502`, `503`, `504` | yes, honouring `Retry-After` (seconds or HTTP-date) |
+//! | `422` key reused, `410` expired, any other `409` (a business conflict: told apart by the problem `type`, not the status), other 4xx, `500`, 2xx, 3xx | no: final |
+//!
+//! Waits are exponential backoff with full jitter, at least the server's
+//! `Retry-After`; attempts are bounded ([`with_max_attempts`], the first
+//! included) and so is the whole ([`with_deadline`]: every attempt and wait
+//! together). A retry budget shared by every request through the layer (and
+//! its clones; tower's [`TpsBudget`]) stops retries when they would exceed
+//! a share of the traffic, so an outage cannot turn into a retry storm.
+//! Methods that are not guarded pass through once. Let only one layer of a
+//! stack retry: retries multiply.
+//!
+//! The request body is buffered once, up to [`with_max_body`] (1 MiB by
+//! default), so it can be re-sent byte for byte. A larger body is streamed
+//! once, without retries, and the answer's [`RetryReport`] says
+//! [`RetryStop::BodyTooLarge`]. Request trailers are not re-sent.
+//!
+//! # Composition
+//!
+//! A per-request timeout the caller stacks *inside* this layer (such as
+//! `tower::timeout::TimeoutLayer` between it and the client) bounds each
+//! attempt; the layer's deadline bounds the whole. What happened travels on
+//! the response's extensions as a [`RetryReport`] (attempts, total wait,
+//! whether the answer was a replay, the key), and on a failure as a
+//! [`RetryError`].
+//!
+//! [`with_max_attempts`]: IdempotentRetryLayer::with_max_attempts
+//! [`with_deadline`]: IdempotentRetryLayer::with_deadline
+//! [`with_max_body`]: IdempotentRetryLayer::with_max_body
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body::{Body, Frame};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use tower::retry::budget::{Budget, TpsBudget};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::key::IDEMPOTENCY_KEY;
+use crate::replay::IDEMPOTENT_REPLAYED;
+
+mod policy;
+
+use policy::Verdict;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The body the wrapped client is called with, and the layer answers with:
+/// any body, boxed.
+pub struct RetryBody(UnsyncBoxBody<Bytes, BoxError>);
+
+impl std::fmt::Debug for RetryBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RetryBody").finish_non_exhaustive()
+    }
+}
+
+impl Body for RetryBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Pin::new(&mut self.0).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.0.size_hint()
+    }
+}
+
+/// The idempotency key of one user intent, set by the caller in the
+/// request extensions: the layer sends it instead of a fresh UUID. Use it
+/// when the intent must survive a process restart (keep the key with the
+/// intent, in your database).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IntentKey(pub String);
+
+/// Why the layer stopped retrying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RetryStop {
+    /// The answer was final (a success, or an answer never retried).
+    Final,
+    /// The method is not guarded: sent once.
+    NotGuarded,
+    /// The body was over the buffering limit: sent once.
+    BodyTooLarge,
+    /// The attempts were used up.
+    Attempts,
+    /// The next wait would pass the deadline, or the deadline passed.
+    Deadline,
+    /// The shared retry budget was spent.
+    Budget,
+}
+
+/// What the layer did for one logical request; on the response's
+/// extensions and in a [`RetryError`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryReport {
+    /// Attempts sent, the first included.
+    pub attempts: u32,
+    /// Time spent waiting between attempts.
+    pub waited: Duration,
+    /// Whether the answer carries `Idempotent-Replayed: true`: the first
+    /// attempt's answer, recorded by the server, replayed.
+    pub replayed: bool,
+    /// The `Idempotency-Key` sent (`None` for methods not guarded).
+    pub key: Option<String>,
+    /// Why retrying stopped.
+    pub stop: RetryStop,
+}
+
+/// Every attempt failed without an answer.
+#[derive(Debug)]
+pub struct RetryError {
+    /// What the layer did.
+    pub report: RetryReport,
+    /// The last attempt's error.
+    pub source: BoxError,
+}
+
+impl std::fmt::Display for RetryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "no answer after {} attempt(s) ({:?}): {}",
+            self.report.attempts, self.report.stop, self.source
+        )
+    }
+}
+
+impl std::error::Error for RetryError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
+#[derive(Debug)]
+struct Config {
+    methods: Vec<Method>,
+    max_attempts: u32,
+    deadline: Duration,
+    base: Duration,
+    cap: Duration,
+    max_body: usize,
+    budget: Arc<TpsBudget>,
+}
+
+/// Retries HTTP requests with one idempotency key per logical request; see
+/// the [module docs](self). Clones share the retry budget.
+#[derive(Debug, Clone)]
+pub struct IdempotentRetryLayer {
+    config: Arc<Config>,
+}
+
+impl Default for IdempotentRetryLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl IdempotentRetryLayer {
+    /// POST and PATCH guarded; 4 attempts; a 30 s deadline; backoff from
+    /// 100 ms capped at 5 s; bodies buffered up to 1 MiB; a budget of 20 %
+    /// of the traffic over 10 s on top of 10 retries a second.
+    pub fn new() -> Self {
+        Self {
+            config: Arc::new(Config {
+                methods: vec![Method::POST, Method::PATCH],
+                max_attempts: 4,
+                deadline: Duration::from_secs(30),
+                base: Duration::from_millis(100),
+                cap: Duration::from_secs(5),
+                max_body: 1024 * 1024,
+                budget: Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 0.2)),
+            }),
+        }
+    }
+
+    fn with(mut self, f: impl FnOnce(&mut Config)) -> Self {
+        let mut config = Config {
+            methods: self.config.methods.clone(),
+            budget: Arc::clone(&self.config.budget),
+            ..*self.config
+        };
+        f(&mut config);
+        self.config = Arc::new(config);
+        self
+    }
+
+    /// The methods that get a key and retries (default POST, PATCH).
+    #[must_use]
+    pub fn with_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods: Vec<_> = methods.into_iter().collect();
+        self.with(|c| c.methods = methods)
+    }
+
+    /// At most `attempts` sends per logical request, the first included
+    /// (default 4; at least 1).
+    #[must_use]
+    pub fn with_max_attempts(self, attempts: u32) -> Self {
+        self.with(|c| c.max_attempts = attempts.max(1))
+    }
+
+    /// The whole logical request (every attempt and wait) ends by
+    /// `deadline` after it started (default 30 s).
+    #[must_use]
+    pub fn with_deadline(self, deadline: Duration) -> Self {
+        self.with(|c| c.deadline = deadline)
+    }
+
+    /// Backoff: the n-th retry waits a random time below `base · 2^(n−1)`,
+    /// at most `cap` (default 100 ms, 5 s), and at least `Retry-After`.
+    #[must_use]
+    pub fn with_backoff(self, base: Duration, cap: Duration) -> Self {
+        self.with(|c| {
+            c.base = base;
+            c.cap = cap.max(base);
+        })
+    }
+
+    /// Bodies up to `bytes` are buffered for re-sending (default 1 MiB);
+    /// larger ones are sent once.
+    #[must_use]
+    pub fn with_max_body(self, bytes: usize) -> Self {
+        self.with(|c| c.max_body = bytes)
+    }
+
+    /// The retry budget shared by every request through this layer and its
+    /// clones (see [`TpsBudget::new`]).
+    #[must_use]
+    pub fn with_budget(self, budget: TpsBudget) -> Self {
+        let budget = Arc::new(budget);
+        self.with(|c| c.budget = budget)
+    }
+}
+
+impl<S> Layer<S> for IdempotentRetryLayer {
+    type Service = IdempotentRetry<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotentRetry {
+            inner,
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+/// The service built by [`IdempotentRetryLayer`].
+#[derive(Debug, Clone)]
+pub struct IdempotentRetry<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<S, B, RB> Service<Request<B>> for IdempotentRetry<S>
+where
+    S: Service<Request<RetryBody>, Response = Response<RB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    type Response = Response<RetryBody>;
+    type Error = RetryError;
+    type Future = BoxFuture<Result<Response<RetryBody>, RetryError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), RetryError>> {
+        self.inner.poll_ready(cx).map_err(|e| RetryError {
+            report: RetryReport {
+                attempts: 0,
+                waited: Duration::ZERO,
+                replayed: false,
+                key: None,
+                stop: RetryStop::Final,
+            },
+            source: e.into(),
+        })
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // The service that was polled ready serves the first attempt.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = Arc::clone(&self.config);
+        Box::pin(run(inner, config, req))
+    }
+}
+
+/// One logical request: buffer, key, attempts.
+async fn run<S, B, RB>(
+    mut inner: S,
+    cfg: Arc<Config>,
+    req: Request<B>,
+) -> Result<Response<RetryBody>, RetryError>
+where
+    S: Service<Request<RetryBody>, Response = Response<RB>>,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let started = Instant::now();
+    let deadline = started + cfg.deadline;
+    let (mut parts, body) = req.into_parts();
+    let mut report = RetryReport {
+        attempts: 1,
+        waited: Duration::ZERO,
+        replayed: false,
+        key: None,
+        stop: RetryStop::Final,
+    };
+    let fail = |report: RetryReport, source: BoxError| RetryError { report, source };
+    if !cfg.methods.contains(&parts.method) {
+        report.stop = RetryStop::NotGuarded;
+        let req = Request::from_parts(parts, boxed(body));
+        return match send(&mut inner, req).await {
+            Ok(res) => Ok(finish(res, report)),
+            Err(e) => Err(fail(report, e)),
+        };
+    }
+    let key = match parts.headers.get(IDEMPOTENCY_KEY) {
+        Some(key) => String::from_utf8_lossy(key.as_bytes()).into_owned(),
+        None => {
+            let key = parts
+                .extensions
+                .get::<IntentKey>()
+                .map_or_else(|| uuid::Uuid::new_v4().to_string(), |k| k.0.clone());
+            match HeaderValue::from_str(&key) {
+                Ok(value) => {
+                    parts.headers.insert(IDEMPOTENCY_KEY, value);
+                }
+                Err(e) => return Err(fail(report, format!("unusable intent key: {e}").into())),
+            }
+            key
+        }
+    };
+    report.key = Some(key);
+    cfg.budget.deposit();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let body = match buffer(declared, body, cfg.max_body).await {
+        Ok(Buffered::Whole(bytes)) => bytes,
+        Ok(Buffered::TooLarge(body)) => {
+            report.stop = RetryStop::BodyTooLarge;
+            return match send(&mut inner, Request::from_parts(parts, body)).await {
+                Ok(res) => Ok(finish(res, report)),
+                Err(e) => Err(fail(report, e)),
+            };
+        }
+        Err(e) => return Err(fail(report, e)),
+    };
+    loop {
+        let attempt = Request::from_parts(parts.clone(), boxed(Full::new(body.clone())));
+        let left = deadline.saturating_duration_since(Instant::now());
+        let sent = async {
+            std::future::poll_fn(|cx| inner.poll_ready(cx))
+                .await
+                .map_err(Into::into)?;
+            send(&mut inner, attempt).await
+        };
+        let answer = match tokio::time::timeout(left, sent).await {
+            Ok(answer) => answer,
+            Err(_) => Err("the deadline passed during the attempt".into()),
+        };
+        let (answer, verdict) = judge(answer).await;
+        let Verdict::Retry(at_least) = verdict else {
+            report.stop = RetryStop::Final;
+            return deliver(answer, report);
+        };
+        if report.attempts >= cfg.max_attempts {
+            report.stop = RetryStop::Attempts;
+            return deliver(answer, report);
+        }
+        let wait = policy::full_jitter(report.attempts, cfg.base, cfg.cap)
+            .max(at_least.unwrap_or_default());
+        if Instant::now() + wait >= deadline {
+            report.stop = RetryStop::Deadline;
+            return deliver(answer, report);
+        }
+        if !cfg.budget.withdraw() {
+            report.stop = RetryStop::Budget;
+            return deliver(answer, report);
+        }
+        tokio::time::sleep(wait).await;
+        report.waited += wait;
+        report.attempts += 1;
+    }
+}
+
+/// Calls the inner service, the future boxed where its type is known (an
+/// `async` body that held the inner future by its type could not be shown
+/// `Send` for every lifetime).
+fn send<S, RB>(
+    inner: &mut S,
+    req: Request<RetryBody>,
+) -> BoxFuture<Result<Response<RetryBody>, BoxError>>
+where
+    S: Service<Request<RetryBody>, Response = Response<RB>>,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let call = inner.call(req);
+    Box::pin(async move { call.await.map(|res| res.map(boxed)).map_err(Into::into) })
+}
+
+/// Judges one attempt; a `409` is read (bounded) to see its problem type.
+async fn judge(
+    answer: Result<Response<RetryBody>, BoxError>,
+) -> (Result<Response<RetryBody>, BoxError>, Verdict) {
+    let res = match answer {
+        Ok(res) => res,
+        // No answer: the request may or may not have landed.
+        Err(e) => return (Err(e), Verdict::Retry(None)),
+    };
+    if res.status() != StatusCode::CONFLICT {
+        let verdict = policy::by_status(res.status(), res.headers());
+        return (Ok(res), verdict);
+    }
+    let (parts, body) = res.into_parts();
+    match Limited::new(body, MAX_PROBLEM).collect().await {
+        Ok(collected) => {
+            let bytes = collected.to_bytes();
+            let verdict = if policy::retryable_conflict(&parts.headers, &bytes) {
+                Verdict::Retry(policy::retry_after(&parts.headers))
+            } else {
+                Verdict::Final
+            };
+            (
+                Ok(Response::from_parts(parts, boxed(Full::new(bytes)))),
+                verdict,
+            )
+        }
+        // A conflict too large to be a problem document, or one whose body
+        // failed: final, as far as it could be read.
+        Err(e) => (Err(e), Verdict::Final),
+    }
+}
+
+/// The largest `409` body read to find its problem type.
+const MAX_PROBLEM: usize = 64 * 1024;
+
+fn deliver(
+    answer: Result<Response<RetryBody>, BoxError>,
+    report: RetryReport,
+) -> Result<Response<RetryBody>, RetryError> {
+    match answer {
+        Ok(res) => Ok(finish(res, report)),
+        Err(source) => Err(RetryError { report, source }),
+    }
+}
+
+fn finish<RB>(res: Response<RB>, mut report: RetryReport) -> Response<RetryBody>
+where
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let mut res = res.map(boxed);
+    report.replayed = res
+        .headers()
+        .get(IDEMPOTENT_REPLAYED)
+        .is_some_and(|v| v == "true");
+    res.extensions_mut().insert(report);
+    res
+}
+
+fn boxed<B>(body: B) -> RetryBody
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    RetryBody(body.map_err(Into::into).boxed_unsync())
+}
+
+enum Buffered {
+    Whole(Bytes),
+    /// Over the limit: what was read, then the rest, as one body.
+    TooLarge(RetryBody),
+}
+
+/// Reads the body up to `limit` bytes; a declared or actual larger body is
+/// handed back whole (what was read first, then the rest) to be sent once.
+async fn buffer<B>(declared: Option<u64>, body: B, limit: usize) -> Result<Buffered, BoxError>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    if declared.is_some_and(|len| len > limit as u64) {
+        return Ok(Buffered::TooLarge(boxed(body)));
+    }
+    let mut body = boxed(body);
+    let mut read = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(e) => return Err(e),
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        read.extend_from_slice(&data);
+        if read.len() > limit {
+            let prefix = Some(read.freeze());
+            return Ok(Buffered::TooLarge(RetryBody(
+                Chained { prefix, rest: body }.boxed_unsync(),
+            )));
+        }
+    }
+    Ok(Buffered::Whole(read.freeze()))
+}
+
+/// What was read of a body, then the rest of it.
+struct Chained {
+    prefix: Option<Bytes>,
+    rest: RetryBody,
+}
+
+impl Body for Chained {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(prefix) = self.prefix.take() {
+            return Poll::Ready(Some(Ok(Frame::data(prefix))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx)
+    }
+}
