@@ -99,7 +99,8 @@ impl<DB: Backend> Completer<DB> {
         Fut: Future<Output = Response<Bytes>> + Send + 'static,
     {
         let resume: Resume<DB> = Arc::new(move |leased| Box::pin(resume(leased)));
-        self.resumers.insert(bounded(operation).into_owned(), resume);
+        self.resumers
+            .insert(bounded(operation).into_owned(), resume);
         self
     }
 

@@ -247,8 +247,7 @@ impl<DB: Backend> Leased<DB> {
             data: &encoded,
             lease_ms: self.inner.mode.lease_ms(),
         };
-        let committed =
-            DB::commit_fenced(tx, &self.scope(), self.inner.generation, &write).await?;
+        let committed = DB::commit_fenced(tx, &self.scope(), self.inner.generation, &write).await?;
         if committed.is_none() {
             self.state().lost = true;
             return Err(LeaseError::Lost);

@@ -153,7 +153,9 @@ impl std::fmt::Display for LeaseError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Lost => f.write_str("the lease was taken over by a later attempt"),
-            Self::Reconciling => f.write_str("the step's outcome is unknown; parked for reconciliation"),
+            Self::Reconciling => {
+                f.write_str("the step's outcome is unknown; parked for reconciliation")
+            }
             Self::Misuse(what) => write!(f, "lease mode misuse: {what}"),
             Self::Data(e) => write!(f, "saved data: {e}"),
             Self::Store(e) => write!(f, "ledger: {e}"),

@@ -191,7 +191,10 @@ impl<DB: Backend> Leased<DB> {
             Call::Err(e) => StepError::Failed(e),
             Call::TimedOut => StepError::TimedOut,
         };
-        tracing::warn!(step = name, "an external step failed or timed out; recovering its outcome");
+        tracing::warn!(
+            step = name,
+            "an external step failed or timed out; recovering its outcome"
+        );
         match self.recover(&key, recover.as_ref()).await {
             Recovered::Done(result) => self.finish_step(name, result).await,
             Recovered::Absent => {

@@ -58,7 +58,12 @@ impl<DB: Backend> Run<DB> {
 
     /// Claims the key, or takes a lapsed lease over, or finds the answer a
     /// retry gets; waits on a live lease until `deadline`.
-    async fn lease_claim(&self, mode: LeaseMode, id: &Identity<'_>, deadline: Instant) -> LeaseClaim<DB> {
+    async fn lease_claim(
+        &self,
+        mode: LeaseMode,
+        id: &Identity<'_>,
+        deadline: Instant,
+    ) -> LeaseClaim<DB> {
         let cfg = &self.config;
         let mut attempts = 0;
         loop {
@@ -82,7 +87,8 @@ impl<DB: Backend> Run<DB> {
                 Err(e) => return LeaseClaim::Answer(refusal(store_problem::<DB>(&e), attempts)),
             };
             if state.is_none() {
-                return match Leased::new(self.pool.clone(), &id.scope, 1, mode, cfg.isolation, None) {
+                return match Leased::new(self.pool.clone(), &id.scope, 1, mode, cfg.isolation, None)
+                {
                     Ok(leased) => LeaseClaim::Won(leased),
                     Err(e) => LeaseClaim::Answer(refusal(Problem::from(e), attempts)),
                 };
@@ -122,7 +128,13 @@ impl<DB: Backend> Run<DB> {
         if lease.live {
             return Lookup::Wait;
         }
-        let took = DB::take_over(&self.pool, &id.scope, lease.generation, mode.lease_ms(), false);
+        let took = DB::take_over(
+            &self.pool,
+            &id.scope,
+            lease.generation,
+            mode.lease_ms(),
+            false,
+        );
         match bounded(wait, took).await {
             Ok(true) => {}
             // Another attempt took it first: wait on its lease.
@@ -212,4 +224,3 @@ async fn bounded<T>(
         .await
         .unwrap_or(Err(sqlx::Error::PoolTimedOut))
 }
-

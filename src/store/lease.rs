@@ -151,13 +151,22 @@ impl Dialect {
              AND locked_until <= {now}){also}{close})",
             seen.saturating_add(1),
             self.scope(scope),
-            close = if parked { format!("{}))", self.now) } else { String::new() },
+            close = if parked {
+                format!("{}))", self.now)
+            } else {
+                String::new()
+            },
             now = self.now,
         )
     }
 
     /// The statement of a fenced write.
-    pub(crate) fn write(&self, scope: &Scope<'_>, generation: i64, write: &LeaseWrite<'_>) -> String {
+    pub(crate) fn write(
+        &self,
+        scope: &Scope<'_>,
+        generation: i64,
+        write: &LeaseWrite<'_>,
+    ) -> String {
         let fence = self.fenced(scope, generation);
         let set = match write {
             LeaseWrite::Delete => return format!("DELETE FROM idempotency_records WHERE {fence}"),

@@ -8,9 +8,8 @@ use super::lease::{Dialect, LeaseRow, lease_from_row, x_literal};
 use super::literal::hex;
 use super::{
     Backend, Claim, ClaimOutcome, Completion, IsolationLevel, LeaseRecord, LeaseWrite, Migration,
-    Scope, StoreErrorKind, TAKE_SAVEPOINT,
-    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, release_savepoint, run_migrations,
-    shared_statements,
+    Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind, migrations,
+    release_savepoint, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds, in UTC arithmetic only (no
@@ -237,7 +236,12 @@ impl Backend for MySql {
         let sql = with_lock_wait(secs, &DIALECT.claim(claim, lease_ms, ""));
         match execute(pool, sql).await {
             Ok(_) => Ok(true),
-            Err(e) if e.as_database_error().is_some_and(|d| d.is_unique_violation()) => Ok(false),
+            Err(e)
+                if e.as_database_error()
+                    .is_some_and(|d| d.is_unique_violation()) =>
+            {
+                Ok(false)
+            }
             Err(e) => Err(e),
         }
     }
@@ -364,9 +368,7 @@ const LEASE_LOCK_WAIT_SECS: u64 = 5;
 
 /// `sql` with its lock wait bounded for that statement alone.
 fn with_lock_wait(secs: u64, sql: &str) -> String {
-    format!(
-        "/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ {sql}"
-    )
+    format!("/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ {sql}")
 }
 
 /// Runs one literal statement on the pool; the rows it found.

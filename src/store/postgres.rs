@@ -8,9 +8,9 @@ use super::lease::{Dialect, LeaseRow, lease_from_row};
 use super::literal::hex;
 use super::{
     Backend, Claim, ClaimOutcome, Completion, IsolationLevel, LeaseRecord, LeaseWrite, Migration,
-    Record, RecordRow, Scope, StoreErrorKind,
-    TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, UnresolvedRecord, UnresolvedRow, generic_error_kind,
-    migrations, record_from_row, release_savepoint, run_migrations, unresolved_from_row,
+    Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, UnresolvedRecord,
+    UnresolvedRow, generic_error_kind, migrations, record_from_row, release_savepoint,
+    run_migrations, unresolved_from_row,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).

@@ -7,9 +7,8 @@ use sqlx::{AssertSqlSafe, FromRow, Pool, SqlSafeStr, Transaction};
 use super::lease::{Dialect, LeaseRow, lease_from_row, x_literal};
 use super::{
     Backend, Claim, ClaimOutcome, Completion, IsolationLevel, LeaseRecord, LeaseWrite, Migration,
-    Scope, StoreErrorKind, TAKE_SAVEPOINT,
-    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, release_savepoint, run_migrations,
-    shared_statements,
+    Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind, migrations,
+    release_savepoint, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
