@@ -92,8 +92,7 @@ use tower_idempotency::lease::{
 };
 use tower_idempotency::store::StoreErrorKind;
 use tower_idempotency::{
-    Backend, Classification, FingerprintError, IdempotencyLayer, Normalizer, Principal,
-    ResourceId,
+    Backend, Classification, FingerprintError, IdempotencyLayer, Normalizer, Principal, ResourceId,
 };
 
 /// The operation the layer names the route (`MethodRouter::layer`: method
@@ -367,7 +366,8 @@ impl Provider {
         key: Option<&str>,
         body: Bytes,
     ) -> Result<(StatusCode, Bytes), ProviderError> {
-        let err = |what: &str, e: &dyn std::fmt::Display| ProviderError(format!("{path}: {what}: {e}"));
+        let err =
+            |what: &str, e: &dyn std::fmt::Display| ProviderError(format!("{path}: {what}: {e}"));
         let stream = tokio::net::TcpStream::connect(&self.authority)
             .await
             .map_err(|e| err("connect", &e))?;
@@ -415,9 +415,9 @@ impl Provider {
             )
             .await?;
         match status {
-            StatusCode::OK | StatusCode::CREATED => charge_id(&body).map(|charge_id| {
-                ChargeResult::Captured { charge_id }
-            }),
+            StatusCode::OK | StatusCode::CREATED => {
+                charge_id(&body).map(|charge_id| ChargeResult::Captured { charge_id })
+            }
             StatusCode::PAYMENT_REQUIRED => Ok(ChargeResult::Declined),
             other => Err(ProviderError(format!(
                 "POST /charges answered {other}: {}",
@@ -481,7 +481,11 @@ fn problem_doc(status: StatusCode, kind: &str, title: &str, detail: &str) -> ser
 
 fn problem(status: StatusCode, kind: &str, title: &str, detail: &str) -> Response<Bytes> {
     let doc = problem_doc(status, kind, title, detail);
-    answer(status, "application/problem+json", doc.to_string().into_bytes())
+    answer(
+        status,
+        "application/problem+json",
+        doc.to_string().into_bytes(),
+    )
 }
 
 /// A `503` worth retrying with the same key: the layer ends the lease, and
