@@ -33,7 +33,10 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Connection, Executor, PgConnection, Postgres};
 use tower_idempotency::{IdempotencyLayer, Principal, Tx};
 
+// The bench counts and delays; the relay's cuts (and their unit tests, which
+// a harness-less bench never runs) go unused here.
 #[path = "../src/testkit/relay.rs"]
+#[allow(dead_code, unused_imports)]
 mod relay;
 
 const PHASE: Duration = Duration::from_secs(3);

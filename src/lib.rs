@@ -98,7 +98,7 @@
 //! | same scope, first still running | waits up to the in-flight wait (one budget, see below), then replays; else `409` + `Retry-After` | nothing new |
 //! | key taken but its record unreadable | retries within attempts and the same budget, then `409` + `Retry-After` | nothing new |
 //! | key past its retention (database clock), or a tombstone | `410` problem naming the resource | nothing new, never a new execution |
-//! | connection lost during `COMMIT` | the answer if the ledger shows the commit, else `503` + `Retry-After` | what committed |
+//! | connection lost during `COMMIT` | PostgreSQL asks the server on a fresh connection (`txid_status` of the `txid_current()` read in the committing batch): committed, the answer; rolled back, `503` `#commit-unknown` + `Retry-After`; still in progress, `409` `#in-flight` + `Retry-After`. When the server cannot say (an id too old, no answer within 1 s), and on SQLite and MySQL: the answer if the ledger shows the commit, else `503` `#commit-unknown` + `Retry-After` | what committed |
 //! | store busy (SQLite's write lock, no pooled connection in time) | `503` + `Retry-After`, `#store-busy` | nothing |
 //! | serialization failure or deadlock when recording or committing | `503` + `Retry-After`, `#transaction-conflict` | nothing |
 //! | the handler ended the claimed transaction itself | `500`, `#transaction-ended`; every retry `503` `#reconciling` until an operator resolves the key ([`Reconciler`]) | what the handler committed |
@@ -196,9 +196,20 @@
 //! compares byte for byte on every store (no collation makes `alice` equal
 //! `alice ` or `Alice`), and the default operation is the route template
 //! (axum) or the RFC 3986-normalized path (see
-//! [`IdempotencyLayer::with_operation`]). A call to another system (a payment provider, a message broker) is not rolled back
-//! with the transaction: pass the idempotency key on to that system and treat
-//! an unconfirmed outcome as something to reconcile, not to repeat.
+//! [`IdempotencyLayer::with_operation`]). A call to another system (a
+//! payment provider, a message broker) is not rolled back with the
+//! transaction: for such handlers use lease mode (below).
+//!
+//! # Lease mode
+//!
+//! For a handler with an effect outside the database,
+//! [`IdempotencyLayer::with_lease`] commits the claim first with a lease and
+//! a fencing generation; the handler works in phases (business writes
+//! committed with a recovery point, fenced) and external steps (a step key
+//! the provider deduplicates on, `recover` before any second `execute`,
+//! unknown outcomes parked for reconciliation), and a retry after a crash
+//! resumes where the last attempt stopped. A [`Completer`](lease::Completer)
+//! finishes abandoned records with no client retry. See [`lease`].
 
 #![deny(unreachable_pub, unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]

@@ -14,10 +14,10 @@
 //! | [`BodyTooLarge`](ProblemKind::BodyTooLarge) | 413 | `#body-too-large` | request body over the limit |
 //! | [`InvalidBody`](ProblemKind::InvalidBody) | 400 | `#invalid-body` | body could not be read or fingerprinted |
 //! | [`KeyReused`](ProblemKind::KeyReused) | 422 (or 409) | `#key-reused` | same key, different request |
-//! | [`InFlight`](ProblemKind::InFlight) | 409 + `Retry-After` | `#in-flight` | the first request with this key is still running |
+//! | [`InFlight`](ProblemKind::InFlight) | 409 + `Retry-After` | `#in-flight` | the first request with this key is still running (or, on PostgreSQL, this request's own `COMMIT` lost its connection and the server reports it still in progress) |
 //! | [`Unconfirmed`](ProblemKind::Unconfirmed) | 409 + `Retry-After` | `#unconfirmed` | the key is taken but its record could not be read |
 //! | [`Expired`](ProblemKind::Expired) | 410 | `#expired` | the key's retention is over; it is never executed again. Names `resource_id` (and `resource` plus a `Link` header when a resource link is configured) |
-//! | [`CommitUnknown`](ProblemKind::CommitUnknown) | 503 + `Retry-After` | `#commit-unknown` | the commit's outcome could not be confirmed and nothing is recorded |
+//! | [`CommitUnknown`](ProblemKind::CommitUnknown) | 503 + `Retry-After` | `#commit-unknown` | the connection was lost during `COMMIT` and nothing is recorded: on PostgreSQL the server reports the transaction rolled back (`txid_status`), or could not say and the ledger shows no commit; elsewhere the ledger shows no commit |
 //! | [`StoreUnavailable`](ProblemKind::StoreUnavailable) | 503 + `Retry-After` | `#store-unavailable` | the ledger could not be reached; nothing was executed |
 //! | [`ResponseTooLarge`](ProblemKind::ResponseTooLarge) | 500 | `#response-too-large` | the handler's answer was over the recording limit; rolled back |
 //! | [`ResponseUnreadable`](ProblemKind::ResponseUnreadable) | 500 | `#response-unreadable` | the handler's body failed while being recorded; rolled back |
@@ -61,7 +61,10 @@ pub enum ProblemKind {
     Unconfirmed,
     /// The key's retention has ended.
     Expired,
-    /// The connection was lost while committing; the ledger shows no commit.
+    /// The connection was lost while committing, and nothing was committed
+    /// as far as the store can tell: PostgreSQL reports the transaction
+    /// rolled back, or (when it cannot say, and on the other stores) the
+    /// ledger shows no commit. A retry with the same key is safe.
     CommitUnknown,
     /// The ledger store could not be reached before anything was executed.
     StoreUnavailable,

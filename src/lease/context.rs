@@ -247,7 +247,10 @@ impl<DB: Backend> Leased<DB> {
             data: &encoded,
             lease_ms: self.inner.mode.lease_ms(),
         };
-        let committed = DB::commit_fenced(tx, &self.scope(), self.inner.generation, &write).await?;
+        let pool = &self.inner.pool;
+        let committed = DB::commit_fenced(pool, tx, &self.scope(), self.inner.generation, &write)
+            .await
+            .map_err(|e| LeaseError::Store(e.into_inner()))?;
         if committed.is_none() {
             self.state().lost = true;
             return Err(LeaseError::Lost);

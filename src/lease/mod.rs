@@ -42,7 +42,7 @@
 //!   request the handler rejects (4xx such as 400 or 422) before any phase
 //!   or step committed deletes the claim, as in the default mode.
 //! - **Takeover.** A duplicate that finds a live lease waits (bounded by
-//!   [`with_in_flight_wait`](IdempotencyLayer::with_in_flight_wait)), then
+//!   [`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)), then
 //!   gets `409` + `Retry-After`. One that finds the lease lapsed takes the
 //!   row over in one conditional update (generation + 1, a new lease) and
 //!   resumes from the last recovery point; of concurrent takeovers exactly
@@ -58,6 +58,101 @@
 //! - **Completer.** [`Completer`] finds records whose lease lapsed with no
 //!   client retry, takes them over with the same fencing and drives them to
 //!   completion through a resume function registered per operation.
+//!
+//! # Example
+//!
+//! ```
+//! use std::collections::HashMap;
+//! use std::sync::{Arc, Mutex};
+//!
+//! use http::{Request, Response, StatusCode};
+//! use sqlx::{Sqlite, sqlite::SqlitePoolOptions};
+//! use tower::{ServiceBuilder, ServiceExt};
+//! use tower_idempotency::lease::{LeaseMode, Leased, Recovered};
+//! use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Principal};
+//!
+//! type BoxError = Box<dyn std::error::Error + Send + Sync>;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), BoxError> {
+//! let pool = SqlitePoolOptions::new().max_connections(1).connect("sqlite::memory:").await?;
+//! tower_idempotency::migrate(&pool).await?;
+//! sqlx::raw_sql("CREATE TABLE payments (id INTEGER PRIMARY KEY, status TEXT, charge TEXT)")
+//!     .execute(&pool)
+//!     .await?;
+//! // A provider that deduplicates on the idempotency key it is sent.
+//! let provider: Arc<Mutex<HashMap<String, String>>> = Arc::default();
+//!
+//! let pay = move |req: Request<IdempotencyBody<String>>| {
+//!     let provider = Arc::clone(&provider);
+//!     async move {
+//!         let leased = req.extensions().get::<Leased<Sqlite>>().cloned().ok_or("no lease")?;
+//!         // Phase 1: the pending payment, committed with its recovery point.
+//!         if leased.saved::<i64>("created")?.is_none() {
+//!             let mut phase = leased.phase().await?;
+//!             let id: i64 = sqlx::query_scalar(
+//!                 "INSERT INTO payments (status) VALUES ('pending') RETURNING id",
+//!             )
+//!             .fetch_one(&mut *phase)
+//!             .await?;
+//!             phase.commit_with("created", &id).await?;
+//!         }
+//!         let id: i64 = leased.saved("created")?.ok_or("phase 1 saved nothing")?;
+//!         // Step 2: the charge, sent with the step key; `recover` is the
+//!         // provider's look-up by that key.
+//!         let charge: String = leased
+//!             .step(
+//!                 "charge",
+//!                 |key| {
+//!                     let provider = Arc::clone(&provider);
+//!                     async move {
+//!                         let mut charges = provider.lock().unwrap();
+//!                         let n = charges.len();
+//!                         let id = charges.entry(key.to_string()).or_insert(format!("ch_{n}"));
+//!                         Ok::<_, BoxError>(id.clone())
+//!                     }
+//!                 },
+//!                 |key| {
+//!                     let found = provider.lock().unwrap().get(key.as_str()).cloned();
+//!                     async move { Ok(found.map_or(Recovered::Absent, Recovered::Done)) }
+//!                 },
+//!             )
+//!             .await
+//!             .map_err(|e| e.to_string())?;
+//!         // Phase 3: the final writes commit together with the recorded answer.
+//!         let tx = leased.final_phase().await?;
+//!         sqlx::query("UPDATE payments SET status = 'captured', charge = ? WHERE id = ?")
+//!             .bind(&charge)
+//!             .bind(id)
+//!             .execute(&mut *tx.lock()?)
+//!             .await?;
+//!         let body = format!(r#"{{"paymentId":{id},"chargeId":"{charge}"}}"#);
+//!         Ok::<_, BoxError>(Response::builder().status(201).body(body)?)
+//!     }
+//! };
+//! let service = ServiceBuilder::new()
+//!     .layer(IdempotencyLayer::new(pool.clone()).with_lease(LeaseMode::default()))
+//!     .service_fn(pay);
+//!
+//! let request = || {
+//!     let mut req = Request::post("/payments")
+//!         .header("idempotency-key", "pay-20260914-001")
+//!         .body(r#"{"amount":5000}"#.to_string())
+//!         .unwrap();
+//!     req.extensions_mut().insert(Principal::new("user-42"));
+//!     req
+//! };
+//! let first = service.clone().oneshot(request()).await?;
+//! let retry = service.clone().oneshot(request()).await?;
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! let captured: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM payments WHERE status = 'captured'")
+//!     .fetch_one(&pool)
+//!     .await?;
+//! assert_eq!(captured, 1);
+//! # Ok(())
+//! # }
+//! ```
 //!
 //! # When to choose it
 //!

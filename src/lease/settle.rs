@@ -10,7 +10,7 @@ use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date};
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
 use crate::service::IdempotencyOutcome;
-use crate::store::{Backend, Completion, LeaseWrite, RecordStatus};
+use crate::store::{Backend, Completion, FinishError, LeaseWrite, RecordStatus};
 
 /// How soon a retry of a parked key is worth it, seconds.
 pub(crate) const RECONCILING_RETRY: u64 = 30;
@@ -114,9 +114,9 @@ pub(crate) async fn settle<DB: Backend>(
     let committed = match tx {
         Ok(tx) => {
             let write = LeaseWrite::Complete(&completion);
-            DB::commit_fenced(tx, &leased.scope(), inner.generation, &write).await
+            DB::commit_fenced(&inner.pool, tx, &leased.scope(), inner.generation, &write).await
         }
-        Err(e) => Err(e),
+        Err(e) => Err(FinishError::Store(e)),
     };
     match committed {
         Ok(Some(expires_at)) => {
@@ -130,9 +130,18 @@ pub(crate) async fn settle<DB: Backend>(
             leased.state().lost = true;
             refused(lease_lost(), 1)
         }
+        // The database says the commit is still running: it may yet land;
+        // the lease stays until it has, or lapses.
+        Err(FinishError::InProgress(_)) => {
+            let detail = "the answer's commit is still in progress; retry with the same key";
+            refused(
+                Problem::new(ProblemKind::InFlight, detail).retry_after(1),
+                1,
+            )
+        }
         Err(e) => {
-            // Whether the record committed is unknown: ending the lease is
-            // refused if it did, and lets the retry resume if it did not.
+            // Rolled back, or unknown: ending the lease is refused if the
+            // record committed, and lets the retry resume if it did not.
             tracing::warn!(error = %e, "recording a lease-mode answer failed");
             release(leased).await;
             let detail = "the answer could not be recorded; retry with the same key, which resumes or replays";

@@ -9,6 +9,7 @@ use sqlx::Transaction;
 
 use super::{Answer, IdempotencyOutcome, Identity, Run, add_expiry, refusal, store_problem};
 use crate::expiry::{is_expired, millis};
+use crate::lease::settle::reconciling;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
 use crate::store::{
@@ -241,14 +242,9 @@ impl<DB: Backend> Run<DB> {
             }
             // A committed PROCESSING row: in this mode rows are PROCESSING
             // only inside their own transaction, so the handler ended that
-            // transaction itself and nobody knows what took effect.
-            _ => {
-                let detail = "the outcome of the first request with this Idempotency-Key is unknown; it is not executed again until it has been reconciled. Retry later with the same key";
-                refusal(
-                    Problem::new(ProblemKind::Reconciling, detail).retry_after(RECONCILING_RETRY),
-                    attempts,
-                )
-            }
+            // transaction itself and nobody knows what took effect. (Lease
+            // rows in PROCESSING are judged by the lease path first.)
+            _ => refusal(reconciling(), attempts),
         }
     }
 }
@@ -290,9 +286,6 @@ impl OwnedClaim {
         }
     }
 }
-
-/// How soon a retry of a key awaiting reconciliation is worth it, seconds.
-const RECONCILING_RETRY: u64 = 30;
 
 /// A store failure ends the claim stage with a retryable refusal.
 fn store_failure<DB: Backend>(e: &sqlx::Error, attempts: u32) -> Claimed<DB> {

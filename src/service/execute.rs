@@ -22,7 +22,7 @@ use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, millis};
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
-use crate::store::{Backend, Claim, Completion, RecordStatus, StoreErrorKind};
+use crate::store::{Backend, Claim, Completion, FinishError, RecordStatus, StoreErrorKind};
 use crate::tx::Tx;
 
 impl<DB: Backend> Run<DB> {
@@ -119,7 +119,7 @@ impl<DB: Backend> Run<DB> {
             resource_id,
         };
         let committing = Instant::now();
-        let finished = DB::finish(tx, &id.scope, &completion).await;
+        let finished = DB::finish(&self.pool, tx, &id.scope, &completion).await;
         observe::timing("commit_ms", committing.elapsed());
         // The answer as the handler gave it, with the key's expiry.
         let respond = |expiry: Option<HeaderValue>| {
@@ -129,30 +129,48 @@ impl<DB: Backend> Run<DB> {
             }
             Ok(buffered(res, outcome))
         };
-        match finished {
-            Ok(expires_at) => respond(expiry_header(expires_at)),
-            Err(e) => match DB::error_kind(&e) {
-                StoreErrorKind::TransactionEnded => {
-                    self.strand(id, handler_status).await;
-                    Ok(transaction_ended())
-                }
-                StoreErrorKind::ConnectionLost => {
-                    // The commit may or may not have landed: ask the ledger.
-                    let deadline = Instant::now() + MIN_READ_WAIT;
-                    match self.lookup(id, deadline, 1).await {
-                        Ok(Some((replay, IdempotencyOutcome::Replayed))) => {
-                            respond(replay.headers().get(IDEMPOTENCY_KEY_EXPIRES).cloned())
-                        }
-                        _ => {
-                            let detail = "the connection was lost while committing and the ledger shows no commit; retry with the same key";
-                            let problem =
-                                Problem::new(ProblemKind::CommitUnknown, detail).retry_after(1);
-                            Ok(refuse(problem, 1))
-                        }
+        // What a failed commit means, for every store: the one place it is
+        // decided.
+        let e = match finished {
+            Ok(expires_at) => return respond(expiry_header(expires_at)),
+            Err(FinishError::Aborted(_)) => {
+                // The connection was lost during COMMIT, and the database
+                // says the transaction rolled back.
+                let detail = "the connection was lost while committing and the database reports the transaction rolled back; nothing was committed, retry with the same key";
+                let problem = Problem::new(ProblemKind::CommitUnknown, detail).retry_after(1);
+                return Ok(refuse(problem, 1));
+            }
+            Err(FinishError::InProgress(_)) => {
+                // Still committing (or rolling back) on the server: the key
+                // stays locked until it is done, and a retry then replays.
+                let detail = "the connection was lost while committing and the database reports the transaction still in progress; retry with the same key later";
+                let problem = Problem::new(ProblemKind::InFlight, detail).retry_after(1);
+                return Ok(refuse(problem, 1));
+            }
+            Err(FinishError::Store(e)) => e,
+        };
+        match DB::error_kind(&e) {
+            StoreErrorKind::TransactionEnded => {
+                self.strand(id, handler_status).await;
+                Ok(transaction_ended())
+            }
+            StoreErrorKind::ConnectionLost => {
+                // The commit may or may not have landed, and the store could
+                // not tell: ask the ledger.
+                let deadline = Instant::now() + MIN_READ_WAIT;
+                match self.lookup(id, deadline, 1).await {
+                    Ok(Some((replay, IdempotencyOutcome::Replayed))) => {
+                        respond(replay.headers().get(IDEMPOTENCY_KEY_EXPIRES).cloned())
+                    }
+                    _ => {
+                        let detail = "the connection was lost while committing and the ledger shows no commit; retry with the same key";
+                        let problem =
+                            Problem::new(ProblemKind::CommitUnknown, detail).retry_after(1);
+                        Ok(refuse(problem, 1))
                     }
                 }
-                _ => Ok(refuse(store_problem::<DB>(&e), 1)),
-            },
+            }
+            _ => Ok(refuse(store_problem::<DB>(&e), 1)),
         }
     }
 

@@ -77,21 +77,21 @@ impl<DB: Backend> Run<DB> {
                 isolation: cfg.isolation,
             };
             let won = bounded(left, DB::lease_claim(&self.pool, &claim, mode.lease_ms())).await;
-            let state = match won {
-                Ok(true) => None,
+            match won {
+                Ok(true) => {
+                    let fresh =
+                        Leased::new(self.pool.clone(), &id.scope, 1, mode, cfg.isolation, None);
+                    return match fresh {
+                        Ok(leased) => LeaseClaim::Won(leased),
+                        Err(e) => LeaseClaim::Answer(refusal(Problem::from(e), attempts)),
+                    };
+                }
                 Ok(false) => match self.lease_lookup(mode, id, deadline, attempts).await {
                     Lookup::Answer(answer) => return LeaseClaim::Answer(answer),
                     Lookup::TookOver(leased) => return LeaseClaim::Won(leased),
-                    Lookup::Wait => Some(()),
+                    Lookup::Wait => {}
                 },
                 Err(e) => return LeaseClaim::Answer(refusal(store_problem::<DB>(&e), attempts)),
-            };
-            if state.is_none() {
-                return match Leased::new(self.pool.clone(), &id.scope, 1, mode, cfg.isolation, None)
-                {
-                    Ok(leased) => LeaseClaim::Won(leased),
-                    Err(e) => LeaseClaim::Answer(refusal(Problem::from(e), attempts)),
-                };
             }
             let delay = backoff(attempts);
             if Instant::now() + delay >= deadline {
@@ -141,7 +141,17 @@ impl<DB: Backend> Run<DB> {
             Ok(false) => return Lookup::Wait,
             Err(e) => return Lookup::Answer(refusal(store_problem::<DB>(&e), attempts)),
         }
+        // The state at the generation just taken, read after the takeover:
+        // a write of the earlier owner can have landed since the read above.
         let generation = lease.generation + 1;
+        let saved = match bounded(wait, DB::fetch(&self.pool, &id.scope)).await {
+            Ok(record) => record.and_then(|r| r.lease),
+            Err(e) => return Lookup::Answer(refusal(store_problem::<DB>(&e), attempts)),
+        };
+        if saved.as_ref().map(|s| s.generation) != Some(generation) {
+            // Taken over again in between: wait on the newer owner.
+            return Lookup::Wait;
+        }
         tracing::info!(generation, "took over a lapsed lease; resuming");
         let leased = Leased::new(
             self.pool.clone(),
@@ -149,7 +159,7 @@ impl<DB: Backend> Run<DB> {
             generation,
             mode,
             self.config.isolation,
-            Some(lease),
+            saved.as_ref(),
         );
         match leased {
             Ok(leased) => Lookup::TookOver(leased),

@@ -269,6 +269,64 @@ pub enum StoreErrorKind {
     Other,
 }
 
+/// Why [`Backend::finish`] returned no expiry. A commit the store knows
+/// landed is no error: `finish` returns `Ok`.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum FinishError {
+    /// A driver error, sorted by [`Backend::error_kind`]. Nothing was
+    /// committed, unless its kind is [`StoreErrorKind::ConnectionLost`]:
+    /// then the commit's outcome is unknown to the store, and the layer
+    /// re-reads the ledger to find out.
+    Store(sqlx::Error),
+    /// The connection was lost during `COMMIT` (the error), and the
+    /// database reports the transaction rolled back: nothing was committed.
+    Aborted(sqlx::Error),
+    /// The connection was lost during `COMMIT` (the error), and the
+    /// database reports the transaction still running: it may yet commit
+    /// or roll back, and the key stays locked until it has.
+    InProgress(sqlx::Error),
+}
+
+impl From<sqlx::Error> for FinishError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Store(e)
+    }
+}
+
+impl FinishError {
+    /// The driver error underneath.
+    pub fn into_inner(self) -> sqlx::Error {
+        match self {
+            Self::Store(e) | Self::Aborted(e) | Self::InProgress(e) => e,
+        }
+    }
+}
+
+impl std::fmt::Display for FinishError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Store(e) => e.fmt(f),
+            Self::Aborted(e) => write!(
+                f,
+                "the connection was lost during COMMIT ({e}); the transaction was rolled back"
+            ),
+            Self::InProgress(e) => write!(
+                f,
+                "the connection was lost during COMMIT ({e}); the transaction is still running"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for FinishError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Store(e) | Self::Aborted(e) | Self::InProgress(e) => Some(e),
+        }
+    }
+}
+
 /// What a claim attempt found.
 #[derive(Debug)]
 pub enum ClaimOutcome<DB: Database> {
@@ -311,14 +369,29 @@ pub trait Backend: Database {
     /// first that the claimed transaction is still open (an error of kind
     /// [`StoreErrorKind::TransactionEnded`] when the savepoint is gone).
     /// Returns the key's `expires_at` (epoch milliseconds, database clock).
-    /// On an error nothing of the transaction is committed, except when the
-    /// connection was lost ([`StoreErrorKind::ConnectionLost`]): then the
-    /// commit's outcome is unknown. The transaction is rolled back on error.
+    /// The transaction is rolled back on error.
+    ///
+    /// # When the connection is lost during `COMMIT`
+    ///
+    /// The commit may or may not have landed. A backend that can ask the
+    /// database what became of the transaction does so, on a fresh
+    /// connection from `pool`, within a short bound, and answers for it:
+    /// `Ok` with the expiry when it committed, [`FinishError::Aborted`]
+    /// when it rolled back, [`FinishError::InProgress`] when it is still
+    /// running. Otherwise (the backend cannot ask, or the database could not
+    /// say) it returns [`FinishError::Store`] with an error of kind
+    /// [`StoreErrorKind::ConnectionLost`], and the layer re-reads the ledger:
+    /// the committed row there means the commit landed. PostgreSQL asks
+    /// (`txid_current()` is read in the batch that commits, at no extra
+    /// round trip, then `txid_status`, the `pg_xact_status` of every
+    /// version); SQLite and MySQL/MariaDB leave it to the ledger re-read.
+    /// On any other error nothing of the transaction is committed.
     fn finish(
+        pool: &Pool<Self>,
         tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         completion: &Completion<'_>,
-    ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<i64, FinishError>> + Send;
 
     /// Rolls back to the claim's savepoint before the transaction is
     /// abandoned: an error of kind [`StoreErrorKind::TransactionEnded`]
@@ -437,12 +510,15 @@ pub trait Backend: Database {
     /// Ends a phase: the fenced write and the phase's own writes commit
     /// together, or (when the fence does not match) nothing commits and
     /// `Ok(None)` is returned. `Ok(Some(expires_at))` after the commit.
+    /// A connection lost during the `COMMIT` is explained as for
+    /// [`finish`](Backend::finish).
     fn commit_fenced(
+        pool: &Pool<Self>,
         tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         generation: i64,
         write: &LeaseWrite<'_>,
-    ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<Option<i64>, FinishError>> + Send;
 
     /// At most `limit` leased rows a completer may take over: `PROCESSING`
     /// with a lapsed lease, and `NEEDS_RECONCILIATION` with a pending step
@@ -547,7 +623,7 @@ fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
         recovery_data,
         pending_step,
     ) = row;
-    let lease = (generation > 0).then(|| LeaseState {
+    let lease = (generation > 0).then_some(LeaseState {
         generation,
         live: live != 0,
         recovery_point,

@@ -7,9 +7,9 @@ use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
 use super::lease::{Dialect, LeaseRow, lease_from_row, x_literal};
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, IsolationLevel, LeaseRecord, LeaseWrite, Migration,
-    Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind, migrations,
-    release_savepoint, run_migrations, shared_statements,
+    Backend, Claim, ClaimOutcome, Completion, FinishError, IsolationLevel, LeaseRecord, LeaseWrite,
+    Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind,
+    migrations, release_savepoint, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds, in UTC arithmetic only (no
@@ -120,17 +120,20 @@ impl Backend for MySql {
     }
 
     async fn finish(
+        _pool: &Pool<Self>,
         mut tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
-    ) -> Result<i64, sqlx::Error> {
+    ) -> Result<i64, FinishError> {
         // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, record,
         // read the expiry, commit. The read fails (a scalar subquery of two
         // rows) when the recorded row is missing, so the COMMIT never runs
         // without it. The trailing `START TRANSACTION` opens an empty
         // transaction that matches sqlx's count of one open transaction;
-        // its rollback is queued when `tx` drops.
+        // its rollback is queued when `tx` drops. A connection lost during
+        // the COMMIT is left to the layer's re-read of the ledger
+        // (`FinishError::Store`).
         let release = release_savepoint(c.status);
         let resource = c.resource_id.map_or_else(
             || "NULL".to_string(),
@@ -158,10 +161,10 @@ impl Backend for MySql {
             hex(c.response_body),
         );
         match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
-            Ok(rows) => rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0),
+            Ok(rows) => Ok(rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?),
             Err(e) => {
                 let _ = tx.rollback().await;
-                Err(e)
+                Err(e.into())
             }
         }
     }
@@ -279,11 +282,12 @@ impl Backend for MySql {
     }
 
     async fn commit_fenced(
+        _pool: &Pool<Self>,
         mut tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         generation: i64,
         write: &LeaseWrite<'_>,
-    ) -> Result<Option<i64>, sqlx::Error> {
+    ) -> Result<Option<i64>, FinishError> {
         // The affected-row count is the count of rows found (sqlx asks for
         // found rows), so it says whether the fence matched.
         let written = async {
@@ -310,7 +314,7 @@ impl Backend for MySql {
             }
             Err(e) => {
                 let _ = tx.rollback().await;
-                Err(e)
+                Err(e.into())
             }
         }
     }

@@ -1,5 +1,8 @@
 //! PostgreSQL: the production store.
 
+use std::future::poll_fn;
+use std::time::{Duration, Instant};
+
 use sqlx::pool::{MaybePoolConnection, PoolConnection};
 use sqlx::postgres::Postgres;
 use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
@@ -7,10 +10,10 @@ use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
 use super::lease::{Dialect, LeaseRow, lease_from_row};
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, IsolationLevel, LeaseRecord, LeaseWrite, Migration,
-    Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, UnresolvedRecord,
-    UnresolvedRow, generic_error_kind, migrations, record_from_row, release_savepoint,
-    run_migrations, unresolved_from_row,
+    Backend, Claim, ClaimOutcome, Completion, FinishError, IsolationLevel, LeaseRecord, LeaseWrite,
+    Migration, Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
+    UnresolvedRecord, UnresolvedRow, generic_error_kind, migrations, record_from_row,
+    release_savepoint, run_migrations, unresolved_from_row,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).
@@ -100,16 +103,20 @@ impl Backend for Postgres {
     }
 
     async fn finish(
-        mut tx: Transaction<'static, Self>,
+        pool: &Pool<Self>,
+        tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
-    ) -> Result<i64, sqlx::Error> {
+    ) -> Result<i64, FinishError> {
         // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, record,
         // commit. The trailing `BEGIN` opens an empty transaction that
         // matches sqlx's count of one open transaction; its rollback is
         // queued when `tx` drops and rides on the pool's own check of the
-        // returned connection.
+        // returned connection. The transaction's id rides along with the
+        // expiry, so that a connection lost during the `COMMIT` can be
+        // explained (`txid_current()`: 64 bits with the epoch, on every
+        // version, where PostgreSQL 13's `pg_current_xact_id()` is not).
         let release = release_savepoint(c.status);
         // A missing row (a handler that deleted it) fails the cast, so the
         // COMMIT never runs without the ledger row.
@@ -117,18 +124,12 @@ impl Backend for Postgres {
             "{release}; \
              WITH done AS (UPDATE idempotency_records SET {} WHERE {} RETURNING expires_at) \
              SELECT (CASE WHEN count(*) = 1 THEN max(expires_at)::text \
-             ELSE 'the idempotency ledger row is gone' END)::int8 FROM done; \
+             ELSE 'the idempotency ledger row is gone' END)::int8, txid_current() FROM done; \
              COMMIT; BEGIN",
             set_completion(c),
             where_scope(scope),
         );
-        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
-            Ok(rows) => rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0),
-            Err(e) => {
-                let _ = tx.rollback().await;
-                Err(e)
-            }
-        }
+        run_commit(pool, tx, sql).await
     }
 
     async fn check_savepoint(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
@@ -303,29 +304,28 @@ impl Backend for Postgres {
     }
 
     async fn commit_fenced(
-        mut tx: Transaction<'static, Self>,
+        pool: &Pool<Self>,
+        tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         generation: i64,
         write: &LeaseWrite<'_>,
-    ) -> Result<Option<i64>, sqlx::Error> {
+    ) -> Result<Option<i64>, FinishError> {
         // One round trip, as `finish`: the division fails when the fence
         // matched nothing, so the COMMIT never runs for a stale writer.
         let sql = format!(
-            "WITH done AS ({} RETURNING expires_at)              SELECT max(expires_at) + 0 * (1 / count(*)) FROM done; COMMIT; BEGIN",
+            "WITH done AS ({} RETURNING expires_at) \
+             SELECT max(expires_at) + 0 * (1 / count(*)), txid_current() FROM done; \
+             COMMIT; BEGIN",
             DIALECT.write(scope, generation, write)
         );
-        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
-            Ok(rows) => Ok(Some(
-                rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?,
-            )),
-            Err(e) => {
-                let _ = tx.rollback().await;
-                if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("22012") {
-                    Ok(None)
-                } else {
-                    Err(e)
-                }
+        match run_commit(pool, tx, sql).await {
+            Ok(expires_at) => Ok(Some(expires_at)),
+            Err(FinishError::Store(e))
+                if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("22012") =>
+            {
+                Ok(None)
             }
+            Err(e) => Err(e),
         }
     }
 
@@ -362,6 +362,56 @@ impl Backend for Postgres {
     }
 }
 
+/// Runs a recording batch whose one row is `(expires_at, txid_current())`
+/// and which ends in `COMMIT; BEGIN`; rolls back on error. Read as a
+/// stream: the row the server sent before the connection died is kept
+/// with the error that followed it, and the transaction's id then asks the
+/// server what became of the commit.
+async fn run_commit(
+    pool: &Pool<Postgres>,
+    mut tx: Transaction<'static, Postgres>,
+    sql: String,
+) -> Result<i64, FinishError> {
+    let (row, failed) = {
+        let mut rows = sqlx::raw_sql(AssertSqlSafe(sql)).fetch(&mut *tx);
+        let mut first = None;
+        loop {
+            match poll_fn(|cx| rows.as_mut().poll_next(cx)).await {
+                Some(Ok(row)) => {
+                    first.get_or_insert(row);
+                }
+                Some(Err(e)) => break (first, Some(e)),
+                None => break (first, None),
+            }
+        }
+    };
+    let recorded = row.map(|row| <(i64, i64)>::from_row(&row)).transpose();
+    let Some(e) = failed else {
+        let (expires_at, _) = recorded?.ok_or(sqlx::Error::RowNotFound)?;
+        return Ok(expires_at);
+    };
+    let _ = tx.rollback().await;
+    let (expires_at, xid) = match recorded {
+        // The row arrived, so the server ran the batch this far and may
+        // have committed: ask what became of the transaction.
+        Ok(Some(read)) if Postgres::error_kind(&e) == StoreErrorKind::ConnectionLost => read,
+        _ => return Err(FinishError::Store(e)),
+    };
+    let status = lost_commit_status(pool, xid).await;
+    tracing::warn!(
+        xid,
+        xact_status = status.as_str(),
+        "the connection was lost during COMMIT; the server's transaction status decides"
+    );
+    match status {
+        XactStatus::Committed => Ok(expires_at),
+        XactStatus::Aborted => Err(FinishError::Aborted(e)),
+        XactStatus::InProgress => Err(FinishError::InProgress(e)),
+        // Too old to be known, or no answer: the layer reads the ledger.
+        XactStatus::Unknown => Err(FinishError::Store(e)),
+    }
+}
+
 /// How lease statements write literals and read the clock.
 const DIALECT: Dialect = Dialect {
     key: text,
@@ -380,6 +430,90 @@ fn bounded_wait(sql: &str) -> String {
 /// The longest wait of a lease statement on another writer's row lock.
 /// Phases hold the row's lock only while they commit.
 const LEASE_LOCK_WAIT_MS: u64 = 5_000;
+
+/// What the server says became of a transaction, by its id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum XactStatus {
+    /// Committed: everything it wrote is there.
+    Committed,
+    /// Rolled back (or crashed before its commit): nothing it wrote is there.
+    Aborted,
+    /// Still running, prepared, or its backend is still ending it: it may
+    /// yet commit or roll back, and its row locks are held until it has.
+    InProgress,
+    /// The server could not say: the id is too old for the server to
+    /// remember (`NULL`), or no answer came in time. Look elsewhere (the
+    /// ledger) for what committed.
+    Unknown,
+}
+
+impl XactStatus {
+    /// Reads `txid_status`'s (`pg_xact_status`'s) answer.
+    fn parse(status: Option<&str>) -> Self {
+        match status {
+            Some("committed") => Self::Committed,
+            Some("aborted") => Self::Aborted,
+            Some("in progress") => Self::InProgress,
+            _ => Self::Unknown,
+        }
+    }
+
+    /// The server's word for the status (`unknown` for no answer).
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Committed => "committed",
+            Self::Aborted => "aborted",
+            Self::InProgress => "in progress",
+            Self::Unknown => "unknown",
+        }
+    }
+}
+
+/// Asks the server what became of the transaction `xid` (a
+/// `txid_current()` value, epoch included, so a wrapped-around id never
+/// names a newer transaction), on a connection of `pool` (never the
+/// transaction's own, which is gone), within `timeout`. One question:
+/// [`XactStatus::InProgress`] can be over a moment later. The question is
+/// `txid_status`, which PostgreSQL 13 renamed `pg_xact_status` and still
+/// answers under its old name, so it works on every version since 10.
+pub(crate) async fn xact_status(pool: &Pool<Postgres>, xid: i64, timeout: Duration) -> XactStatus {
+    let sql = format!("SELECT txid_status({xid})");
+    let asked =
+        tokio::time::timeout(timeout, sqlx::raw_sql(AssertSqlSafe(sql)).fetch_one(pool)).await;
+    match asked {
+        Ok(Ok(row)) => row
+            .try_get::<Option<String>, _>(0)
+            .map_or(XactStatus::Unknown, |status| {
+                XactStatus::parse(status.as_deref())
+            }),
+        // A failed question ("in the future", no connection) or no answer in time.
+        _ => XactStatus::Unknown,
+    }
+}
+
+/// How long the layer asks about a `COMMIT` whose connection was lost
+/// before it falls back to re-reading the ledger (or, while the server
+/// says "in progress", answers that).
+const LOST_COMMIT_WAIT: Duration = Duration::from_secs(1);
+
+/// The pause between two questions while the transaction is in progress.
+const LOST_COMMIT_POLL: Duration = Duration::from_millis(20);
+
+/// What became of the transaction `xid` whose `COMMIT` lost its
+/// connection. Asked again while it is in progress, within
+/// [`LOST_COMMIT_WAIT`]: a backend that lost its client (or terminated
+/// itself) is briefly "in progress" while it ends the transaction.
+async fn lost_commit_status(pool: &Pool<Postgres>, xid: i64) -> XactStatus {
+    let deadline = Instant::now() + LOST_COMMIT_WAIT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let status = xact_status(pool, xid, left).await;
+        if status != XactStatus::InProgress || Instant::now() + LOST_COMMIT_POLL >= deadline {
+            return status;
+        }
+        tokio::time::sleep(LOST_COMMIT_POLL).await;
+    }
+}
 
 /// Runs one literal statement on the pool; the rows it changed.
 async fn execute(pool: &Pool<Postgres>, sql: String) -> Result<u64, sqlx::Error> {
@@ -430,6 +564,75 @@ fn bytea(value: &[u8]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::XactStatus;
+
+    #[test]
+    fn xact_statuses_map_to_outcomes() {
+        assert_eq!(XactStatus::parse(Some("committed")), XactStatus::Committed);
+        assert_eq!(XactStatus::parse(Some("aborted")), XactStatus::Aborted);
+        assert_eq!(
+            XactStatus::parse(Some("in progress")),
+            XactStatus::InProgress
+        );
+        // NULL: the id is older than the server remembers.
+        assert_eq!(XactStatus::parse(None), XactStatus::Unknown);
+        assert_eq!(XactStatus::parse(Some("frozen")), XactStatus::Unknown);
+        for status in [
+            XactStatus::Committed,
+            XactStatus::Aborted,
+            XactStatus::InProgress,
+        ] {
+            assert_eq!(XactStatus::parse(Some(status.as_str())), status);
+        }
+    }
+
+    /// The helper against the server: a transaction left open, committed,
+    /// rolled back, and an id the server has not handed out yet.
+    #[cfg(feature = "testkit")]
+    #[tokio::test]
+    async fn xact_status_asks_the_server() {
+        use std::time::Duration;
+
+        use sqlx::Row as _;
+        use sqlx::postgres::PgPoolOptions;
+
+        use super::xact_status;
+
+        let pool = PgPoolOptions::new()
+            .max_connections(3)
+            .connect(&crate::testkit::pg_admin_url())
+            .await
+            .unwrap();
+        let wait = Duration::from_secs(5);
+        async fn xid(conn: &mut sqlx::PgConnection) -> i64 {
+            sqlx::raw_sql("SELECT txid_current()")
+                .fetch_one(conn)
+                .await
+                .unwrap()
+                .get(0)
+        }
+        let mut open = pool.begin().await.unwrap();
+        let committed = xid(&mut open).await;
+        assert_eq!(
+            xact_status(&pool, committed, wait).await,
+            XactStatus::InProgress
+        );
+        open.commit().await.unwrap();
+        assert_eq!(
+            xact_status(&pool, committed, wait).await,
+            XactStatus::Committed
+        );
+        let mut open = pool.begin().await.unwrap();
+        let aborted = xid(&mut open).await;
+        open.rollback().await.unwrap();
+        assert_eq!(xact_status(&pool, aborted, wait).await, XactStatus::Aborted);
+        // "transaction ID … is in the future": an error, so no answer.
+        assert_eq!(
+            xact_status(&pool, aborted + (1 << 40), wait).await,
+            XactStatus::Unknown
+        );
+    }
+
     #[test]
     fn literals_hold_only_hex_digits() {
         let lit = super::text("x'); DROP TABLE t; --");

@@ -6,9 +6,9 @@ use sqlx::{AssertSqlSafe, FromRow, Pool, SqlSafeStr, Transaction};
 
 use super::lease::{Dialect, LeaseRow, lease_from_row, x_literal};
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, IsolationLevel, LeaseRecord, LeaseWrite, Migration,
-    Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind, migrations,
-    release_savepoint, run_migrations, shared_statements,
+    Backend, Claim, ClaimOutcome, Completion, FinishError, IsolationLevel, LeaseRecord, LeaseWrite,
+    Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind,
+    migrations, release_savepoint, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
@@ -87,19 +87,21 @@ impl Backend for Sqlite {
     }
 
     async fn finish(
+        _pool: &Pool<Self>,
         mut tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
-    ) -> Result<i64, sqlx::Error> {
+    ) -> Result<i64, FinishError> {
         // An embedded database has no round trips to save: prove the
         // claimed transaction is still ours, record with parameters, commit.
+        // No connection to lose: every error is a `FinishError::Store`.
         if let Err(e) = sqlx::raw_sql(release_savepoint(c.status))
             .execute(&mut *tx)
             .await
         {
             let e = reopen_if_ended(&mut tx, e).await;
             let _ = tx.rollback().await;
-            return Err(e);
+            return Err(e.into());
         }
         let recorded: Result<i64, _> = sqlx::query_scalar(
             "UPDATE idempotency_records SET status = ?, response_status = ?, \
@@ -123,7 +125,7 @@ impl Backend for Sqlite {
             }
             Err(e) => {
                 let _ = tx.rollback().await;
-                Err(e)
+                Err(e.into())
             }
         }
     }
@@ -228,11 +230,12 @@ impl Backend for Sqlite {
     }
 
     async fn commit_fenced(
+        _pool: &Pool<Self>,
         mut tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
         generation: i64,
         write: &LeaseWrite<'_>,
-    ) -> Result<Option<i64>, sqlx::Error> {
+    ) -> Result<Option<i64>, FinishError> {
         let sql = format!(
             "{} RETURNING expires_at",
             DIALECT.write(scope, generation, write)
@@ -251,7 +254,7 @@ impl Backend for Sqlite {
             }
             Err(e) => {
                 let _ = tx.rollback().await;
-                Err(e)
+                Err(e.into())
             }
         }
     }

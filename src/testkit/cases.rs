@@ -12,6 +12,8 @@ use super::{ConformanceDb, Harness, order, send};
 use crate::expiry::http_date;
 use crate::{IdempotencyLayer, Sweeper};
 
+pub use super::lease::cases::*;
+
 const BODY: &str = r#"{"amount":12000,"items":[]}"#;
 const ALICE: Option<&str> = Some("user-42");
 const KEY: Option<&str> = Some("\"checkout-20260914-001\"");
@@ -1314,7 +1316,7 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
     let pool = &pools[0];
     assert_eq!(
         DB::count(pool, "SELECT COUNT(*) FROM tower_idempotency_migrations").await,
-        3
+        4
     );
     assert_eq!(
         DB::count(
@@ -1322,7 +1324,7 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
             "SELECT MAX(version) FROM tower_idempotency_migrations"
         )
         .await,
-        3
+        4
     );
     assert_eq!(
         DB::count(
@@ -1346,7 +1348,17 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
     crate::migrate(pool).await.unwrap();
     assert_eq!(
         DB::count(pool, "SELECT COUNT(*) FROM tower_idempotency_migrations").await,
-        3
+        4
+    );
+    // v4: an old row is a default-mode row, never leased.
+    assert_eq!(
+        DB::count(
+            pool,
+            "SELECT COUNT(*) FROM idempotency_records WHERE principal_id = 'old' \
+             AND generation = 0 AND locked_until IS NULL AND pending_step IS NULL"
+        )
+        .await,
+        1
     );
     drop(h);
 }

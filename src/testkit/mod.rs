@@ -44,6 +44,7 @@ use tower::ServiceExt;
 
 mod backends;
 pub mod cases;
+pub mod lease;
 pub mod relay;
 
 pub use backends::{Cleanup, mysql_admin_url, pg_admin_url, use_postgres_url};
@@ -310,6 +311,14 @@ impl<DB: ConformanceDb> Harness<DB> {
         }
     }
 
+    /// The same database and counter, reached through `pool` instead (a
+    /// pool through a [`relay`] or a proxy): the layer, the handler and the
+    /// assertions all use it.
+    pub fn with_pool(mut self, pool: Pool<DB>) -> Self {
+        self.pool = pool;
+        self
+    }
+
     /// The default layer for these tests: Bearer-token principals.
     pub fn layer(&self) -> IdempotencyLayer<DB> {
         IdempotencyLayer::new(self.pool.clone()).with_principal(bearer)
@@ -484,6 +493,19 @@ macro_rules! conformance_suite {
             migrations_upgrade_in_place_and_run_concurrently,
             dropped_futures_leave_a_clean_connection,
             a_handler_that_deletes_its_ledger_row_commits_nothing,
+            lease_first_payment_charges_once_and_replays,
+            lease_charge_then_dropped_attempt_resumes_without_a_second_charge,
+            lease_lost_provider_answer_is_recovered_in_the_same_attempt,
+            lease_provider_failure_ends_the_lease_and_the_retry_charges_once,
+            lease_decline_is_final_and_replayed,
+            lease_unknown_outcome_parks_until_an_operator_resolves_it,
+            lease_completer_recovers_a_parked_record,
+            lease_stale_owner_is_refused_and_its_writes_are_not_kept,
+            lease_concurrent_takeovers_exactly_one_wins,
+            lease_is_renewed_during_a_long_step,
+            lease_completer_finishes_an_abandoned_payment,
+            lease_rejection_before_any_phase_frees_the_key,
+            lease_step_without_lookup_parks_an_uncertain_outcome,
         );
     };
 }
