@@ -496,6 +496,7 @@ macro_rules! e2e {
 e2e!(
     validation_and_ownership,
     decline_is_final_and_replayed,
+    a_crash_before_phase_1_leaves_a_bare_claim_the_completer_deletes,
     a_crash_before_the_provider_saw_the_call,
     a_provider_failure_before_charging,
     b_crash_after_the_charge_before_the_commit,
@@ -580,6 +581,63 @@ async fn decline_is_final_and_replayed<DB: TestDb>() {
         "{counts:?}"
     );
     println!("[{}] decline: {counts}", DB::LABEL);
+}
+
+/// a, first point) A crash after the claim committed and before phase 1
+/// did: the test holds a lock that phase 1's `INSERT INTO payments` waits
+/// on (PostgreSQL `LOCK TABLE`, MariaDB a gap lock on the empty table),
+/// SIGKILLs the service there, and lets go. Nothing was saved, so nothing
+/// can be resumed: the completer's pass takes the lapsed lease over and the
+/// resume function answers it *rejected*, which deletes the bare claim;
+/// the client's retry then runs afresh (generation 1) and charges once.
+/// SQLite has no lock that holds back phase 1 and not the claim: skipped.
+async fn a_crash_before_phase_1_leaves_a_bare_claim_the_completer_deletes<DB: TestDb>() {
+    let hold_sql = match DB::LABEL {
+        "postgres" => "LOCK TABLE payments IN EXCLUSIVE MODE",
+        "mysql" => "SELECT id FROM payments FOR UPDATE",
+        _ => {
+            println!(
+                "[{}] a0) skipped: no lock holds back phase 1 alone",
+                DB::LABEL
+            );
+            return;
+        }
+    };
+    let flags = Flags {
+        lease_ms: 1000,
+        completer_ms: 200,
+    };
+    let (w, mut s) = World::<DB>::start(flags).await;
+    let mut hold = w.pool.begin().await.unwrap();
+    DB::exec_on(&mut hold, hold_sql).await.unwrap();
+    let pending = s.pay_in_background(KEY);
+    w.wait_until("the claim commits", |c| c.ledger == 1).await;
+    // Phase 1 is now waiting on the lock (it runs right after the claim).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.kill().await;
+    assert!(pending.await.unwrap().is_err(), "the client saw the crash");
+    hold.rollback().await.unwrap();
+    let left = w.counts().await;
+    assert_eq!(
+        (left.ledger, left.payments, left.charges),
+        (1, 0, 0),
+        "a bare claim: {left:?}"
+    );
+    s = w.service(flags).await;
+    let gone = w
+        .wait_until("the completer deletes the bare claim", |c| c.ledger == 0)
+        .await;
+    assert_eq!((gone.payments, gone.charges), (0, 0), "{gone:?}");
+    println!(
+        "[{}] a0) bare claim deleted by the completer: {gone}",
+        DB::LABEL
+    );
+    let retry = s.pay(KEY).await;
+    assert!(!retry.replayed(), "{retry:?}");
+    let counts = w
+        .judge_captured("a0) crash before phase 1, retry", &s, &retry)
+        .await;
+    assert_eq!(counts.generation, 1, "a fresh claim: {counts:?}");
 }
 
 /// a) A crash after phase 1 and after the step was noted pending, while
