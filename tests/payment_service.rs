@@ -222,6 +222,7 @@ impl Provider {
 struct Flags {
     lease_ms: u64,
     completer_ms: u64,
+    provider_timeout_ms: u64,
 }
 
 /// Crash cases: leases that lapse soon after a SIGKILL, and no completer
@@ -230,6 +231,7 @@ struct Flags {
 const CRASH: Flags = Flags {
     lease_ms: 1000,
     completer_ms: 600_000,
+    provider_timeout_ms: 5000,
 };
 
 /// One payment_service process.
@@ -249,7 +251,7 @@ impl Service {
             "--lease-ms",
             &flags.lease_ms.to_string(),
             "--provider-timeout-ms",
-            "5000",
+            &flags.provider_timeout_ms.to_string(),
             "--completer-interval-ms",
             &flags.completer_ms.to_string(),
         ]
@@ -501,6 +503,7 @@ e2e!(
     a_provider_failure_before_charging,
     b_crash_after_the_charge_before_the_commit,
     c_lost_provider_answer_is_recovered_in_the_same_request,
+    c_provider_timeout_is_recovered_in_the_same_request,
     d_after_the_commit_the_answer_replays,
     e_stale_owner_after_a_takeover_records_nothing,
     f_concurrent_takeovers_one_wins,
@@ -508,6 +511,7 @@ e2e!(
     g_parked_record_is_finished_by_the_completer,
     h_heartbeats_keep_a_long_step_in_flight,
     i_completer_finishes_an_abandoned_payment,
+    sigterm_lets_the_payment_in_progress_finish,
 );
 
 /// 401 without a principal, 400 for an invalid body (nothing claimed),
@@ -606,6 +610,7 @@ async fn a_crash_before_phase_1_leaves_a_bare_claim_the_completer_deletes<DB: Te
     let flags = Flags {
         lease_ms: 1000,
         completer_ms: 200,
+        provider_timeout_ms: 5000,
     };
     let (w, mut s) = World::<DB>::start(flags).await;
     let mut hold = w.pool.begin().await.unwrap();
@@ -767,6 +772,28 @@ async fn c_lost_provider_answer_is_recovered_in_the_same_request<DB: TestDb>() {
     assert_replays("c", &s, &first).await;
 }
 
+/// c') The provider charged but answers later than `--provider-timeout-ms`:
+/// `execute` times out, `recover` finds the charge, `201` in the same
+/// request, one charge.
+async fn c_provider_timeout_is_recovered_in_the_same_request<DB: TestDb>() {
+    let flags = Flags {
+        provider_timeout_ms: 300,
+        ..CRASH
+    };
+    let (w, s) = World::<DB>::start(flags).await;
+    w.provider.hang(3000).await;
+    let started = Instant::now();
+    let first = s.pay(KEY).await;
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(!first.replayed());
+    let counts = w.judge_captured("c') provider timeout", &s, &first).await;
+    assert_eq!(counts.generation, 1, "{counts:?}");
+}
+
 /// d) After the final commit the answer is the ledger's: whatever is lost
 /// after it (here the whole process, SIGKILLed), the retry replays the
 /// identical answer and nothing runs again.
@@ -792,6 +819,7 @@ async fn e_stale_owner_after_a_takeover_records_nothing<DB: TestDb>() {
     let flags = Flags {
         lease_ms: 500,
         completer_ms: 600_000,
+        provider_timeout_ms: 5000,
     };
     let (w, a) = World::<DB>::start(flags).await;
     let b = w.service(flags).await;
@@ -830,6 +858,7 @@ async fn f_concurrent_takeovers_one_wins<DB: TestDb>() {
     let flags = Flags {
         lease_ms: 500,
         completer_ms: 600_000,
+        provider_timeout_ms: 5000,
     };
     let (w, mut a) = World::<DB>::start(flags).await;
     let b = w.service(flags).await;
@@ -954,6 +983,7 @@ async fn g_parked_record_is_finished_by_the_completer<DB: TestDb>() {
     let flags = Flags {
         lease_ms: 1000,
         completer_ms: 200,
+        provider_timeout_ms: 5000,
     };
     let (w, mut s) = World::<DB>::start(flags).await;
     w.provider.fault(json!({"mode": "lookup_down"})).await;
@@ -997,6 +1027,7 @@ async fn h_heartbeats_keep_a_long_step_in_flight<DB: TestDb>() {
     let flags = Flags {
         lease_ms: 300,
         completer_ms: 600_000,
+        provider_timeout_ms: 5000,
     };
     let (w, s) = World::<DB>::start(flags).await;
     w.provider.hang(3000).await;
@@ -1028,6 +1059,7 @@ async fn i_completer_finishes_an_abandoned_payment<DB: TestDb>() {
     let flags = Flags {
         lease_ms: 1000,
         completer_ms: 200,
+        provider_timeout_ms: 5000,
     };
     let (w, mut s) = World::<DB>::start(flags).await;
     w.provider.hang(10_000).await;
@@ -1048,4 +1080,23 @@ async fn i_completer_finishes_an_abandoned_payment<DB: TestDb>() {
         .judge_captured("i) completer then client retry", &s, &retry)
         .await;
     assert_eq!(counts.generation, 2, "{counts:?}");
+}
+
+/// SIGTERM while a payment waits on the provider: the service stops
+/// accepting, lets the payment finish (`201`), and exits with status 0.
+async fn sigterm_lets_the_payment_in_progress_finish<DB: TestDb>() {
+    let (w, mut s) = World::<DB>::start(CRASH).await;
+    w.provider.hang(1000).await;
+    let pending = s.pay_in_background(KEY);
+    w.provider.wait_for_charges(1).await;
+    s.signal("-TERM");
+    let first = pending.await.unwrap().expect("the payment finishes");
+    let status = tokio::time::timeout(START, s.child.wait())
+        .await
+        .expect("the service exits after SIGTERM")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    s = w.service(CRASH).await;
+    w.judge_captured("SIGTERM mid-payment", &s, &first).await;
+    assert_replays("SIGTERM", &s, &first).await;
 }
