@@ -111,7 +111,7 @@ impl<DB: Backend> Reconciler<DB> {
             resource_id: None,
         };
         if lease > 0 {
-            let write = LeaseWrite::Complete(&completion);
+            let write = LeaseWrite::Resolve(&completion);
             return DB::lease_write(&self.pool, &scope, lease, &write).await;
         }
         Ok(DB::resolve(&self.pool, &scope, Some(&completion)).await? == 1)

@@ -58,9 +58,16 @@ pub enum LeaseWrite<'a> {
     /// An operator's verdict on a parked row: the pending step had no
     /// effect. The row is `PROCESSING` again with its lease ended and no
     /// pending step, so the next attempt resumes and runs the step.
+    /// Matches only a row still `NEEDS_RECONCILIATION` that no completer
+    /// pass holds, like [`Resolve`](Self::Resolve).
     Rerun,
     /// Records the answer, `SUCCEEDED` or `FAILED_FINAL`, and ends the lease.
     Complete(&'a Completion<'a>),
+    /// An operator's verdict on a parked row: records the answer as
+    /// [`Complete`](Self::Complete) does, but only while the row is still
+    /// `NEEDS_RECONCILIATION` and no completer pass holds it, so that of
+    /// two resolutions of one record exactly one wins.
+    Resolve(&'a Completion<'a>),
     /// Deletes the row: nothing was committed but the claim, and the key
     /// may be used again (a request the handler rejected).
     Delete,
@@ -167,7 +174,18 @@ impl Dialect {
         generation: i64,
         write: &LeaseWrite<'_>,
     ) -> String {
-        let fence = self.fenced(scope, generation);
+        let fence = match write {
+            // An operator's resolution: the row must still be parked (a
+            // `PROCESSING` row at the same generation is one resolved as
+            // `Rerun` already) and not held by a completer pass.
+            LeaseWrite::Rerun | LeaseWrite::Resolve(_) => format!(
+                "{} AND generation = {generation} AND status = 'NEEDS_RECONCILIATION' \
+                 AND (locked_until IS NULL OR locked_until <= {})",
+                self.scope(scope),
+                self.now
+            ),
+            _ => self.fenced(scope, generation),
+        };
         let set = match write {
             LeaseWrite::Delete => return format!("DELETE FROM idempotency_records WHERE {fence}"),
             LeaseWrite::Renew { lease_ms } => format!("locked_until = {} + {lease_ms}", self.now),
@@ -193,7 +211,7 @@ impl Dialect {
                 self.now
             ),
             LeaseWrite::Park => "status = 'NEEDS_RECONCILIATION', locked_until = NULL".to_string(),
-            LeaseWrite::Complete(c) => format!(
+            LeaseWrite::Complete(c) | LeaseWrite::Resolve(c) => format!(
                 "status = '{}', response_status = {}, response_headers = {}, \
                  response_body = {}, resource_id = {}, locked_until = NULL, pending_step = NULL",
                 c.status.as_str(),
