@@ -91,7 +91,11 @@ impl<DB: Backend> Completer<DB> {
     /// given to `with_operation`). The function gets the context at the
     /// record's last recovery point, with no request: everything it needs
     /// must have been saved by a phase. Its answer is recorded as a
-    /// handler's is.
+    /// handler's is. A record whose first attempt died before its first
+    /// phase has nothing saved: answer a rejection (such as `422`) and the
+    /// claim is deleted, so the client's retry runs afresh. A resume
+    /// function that panics or times out ends its lease and is tried again
+    /// at a later pass.
     #[must_use]
     pub fn resume<F, Fut>(mut self, operation: &str, resume: F) -> Self
     where

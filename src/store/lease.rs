@@ -178,8 +178,12 @@ impl Dialect {
             // An operator's resolution: the row must still be parked (a
             // `PROCESSING` row at the same generation is one resolved as
             // `Rerun` already) and not held by a completer pass.
+            // The generation is not checked: completer passes take parked
+            // rows over (and give them back) between an operator's listing
+            // and their verdict, and the status alone tells the first
+            // resolution from a second.
             LeaseWrite::Rerun | LeaseWrite::Resolve(_) => format!(
-                "{} AND generation = {generation} AND status = 'NEEDS_RECONCILIATION' \
+                "{} AND status = 'NEEDS_RECONCILIATION' \
                  AND (locked_until IS NULL OR locked_until <= {})",
                 self.scope(scope),
                 self.now
@@ -244,6 +248,7 @@ impl Dialect {
     }
 
     /// The row's `expires_at`, read back after a fenced completion.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) fn expires_at(&self, scope: &Scope<'_>) -> String {
         format!(
             "SELECT expires_at FROM idempotency_records WHERE {}",
