@@ -140,7 +140,8 @@ impl<DB: Backend> Completer<DB> {
 
     /// One pass: list, take over, resume, record.
     pub async fn run_once(&self) -> Result<CompleterReport, sqlx::Error> {
-        let listed = DB::list_leases(&self.pool, i64::from(self.batch)).await?;
+        let operations: Vec<&str> = self.resumers.keys().map(String::as_str).collect();
+        let listed = DB::list_leases(&self.pool, &operations, i64::from(self.batch)).await?;
         let mut report = CompleterReport {
             found: listed.len(),
             ..CompleterReport::default()

@@ -64,6 +64,10 @@ pub(crate) struct State {
     pub(crate) parked: bool,
     /// Something beyond the claim was committed (or may have run).
     pub(crate) progressed: bool,
+    /// A step is running (steps run one at a time, outside phases).
+    pub(crate) stepping: bool,
+    /// Phases open now (including the final phase once begun).
+    pub(crate) phases: usize,
 }
 
 impl<DB: Backend> Leased<DB> {
@@ -84,8 +88,9 @@ impl<DB: Backend> Leased<DB> {
             if let Some(data) = &saved.recovery_data {
                 state.data = serde_json::from_slice(data).map_err(LeaseError::Data)?;
             }
-            state.progressed =
-                state.point.is_some() || state.pending.is_some() || !state.data.is_empty();
+            state.progressed = state.point.is_some()
+                || state.pending.is_some()
+                || state.data.keys().any(|k| k != super::CLAIM_ID);
         }
         Ok(Self {
             inner: Arc::new(Inner {
@@ -143,10 +148,12 @@ impl<DB: Backend> Leased<DB> {
     /// Dropping the phase rolls it back.
     pub async fn phase(&self) -> Result<Phase<DB>, LeaseError> {
         self.usable()?;
+        let open = PhaseOpen::new(self)?;
         let tx = DB::begin_phase(&self.inner.pool, self.inner.isolation).await?;
         Ok(Phase {
             tx,
             leased: self.clone(),
+            _open: open,
         })
     }
 
@@ -158,6 +165,14 @@ impl<DB: Backend> Leased<DB> {
         self.usable()?;
         if lock(&self.inner.final_tx).is_some() {
             return Err(LeaseError::Misuse("final_phase called twice"));
+        }
+        // Open until the attempt ends: no step may follow it.
+        {
+            let mut state = self.state();
+            if state.stepping {
+                return Err(LeaseError::Misuse("a phase cannot begin while a step runs"));
+            }
+            state.phases += 1;
         }
         let tx = Tx::new(DB::begin_phase(&self.inner.pool, self.inner.isolation).await?);
         *lock(&self.inner.final_tx) = Some(tx.clone());
@@ -223,13 +238,15 @@ impl<DB: Backend> Leased<DB> {
     }
 
     /// Notes a recovery point (and the data) as committed.
-    fn reached(&self, point: Option<&str>, data: Map<String, Value>) {
+    fn reached(&self, point: Option<&str>, data: Map<String, Value>, settled: bool) {
         let mut state = self.state();
         if let Some(point) = point {
             state.point = Some(point.to_owned());
         }
         state.data = data;
-        state.pending = None;
+        if settled {
+            state.pending = None;
+        }
         state.progressed = true;
     }
 
@@ -245,6 +262,7 @@ impl<DB: Backend> Leased<DB> {
         let write = LeaseWrite::Progress {
             point: Some(point),
             data: &encoded,
+            settled: false,
             lease_ms: self.inner.mode.lease_ms(),
         };
         let pool = &self.inner.pool;
@@ -255,12 +273,12 @@ impl<DB: Backend> Leased<DB> {
             self.state().lost = true;
             return Err(LeaseError::Lost);
         }
-        self.reached(Some(point), data);
+        self.reached(Some(point), data, false);
         Ok(())
     }
 
     /// Records `point` (saving `value` under it; `None`: the point stays)
-    /// with nothing else, fenced, and clears the pending step.
+    /// with nothing else, fenced, and settles the pending step.
     pub(crate) async fn save(
         &self,
         point: Option<&str>,
@@ -270,10 +288,11 @@ impl<DB: Backend> Leased<DB> {
         self.write(&LeaseWrite::Progress {
             point,
             data: &encoded,
+            settled: true,
             lease_ms: self.inner.mode.lease_ms(),
         })
         .await?;
-        self.reached(point, data);
+        self.reached(point, data, true);
         Ok(())
     }
 }
@@ -289,6 +308,33 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct Phase<DB: Backend> {
     tx: Transaction<'static, DB>,
     leased: Leased<DB>,
+    _open: PhaseOpen<DB>,
+}
+
+/// Counts a phase as open while it lives; refuses one during a step.
+pub(crate) struct PhaseOpen<DB: Backend> {
+    leased: Leased<DB>,
+}
+
+impl<DB: Backend> PhaseOpen<DB> {
+    fn new(leased: &Leased<DB>) -> Result<Self, LeaseError> {
+        let mut state = leased.state();
+        if state.stepping {
+            return Err(LeaseError::Misuse("a phase cannot begin while a step runs"));
+        }
+        state.phases += 1;
+        drop(state);
+        Ok(Self {
+            leased: leased.clone(),
+        })
+    }
+}
+
+impl<DB: Backend> Drop for PhaseOpen<DB> {
+    fn drop(&mut self) {
+        let mut state = self.leased.state();
+        state.phases = state.phases.saturating_sub(1);
+    }
 }
 
 impl<DB: Backend> std::fmt::Debug for Phase<DB> {

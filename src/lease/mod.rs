@@ -40,7 +40,16 @@
 //!   future is dropped) end the lease at once: the record stays at its last
 //!   recovery point and the client's retry resumes it without waiting. A
 //!   request the handler rejects (4xx such as 400 or 422) before any phase
-//!   or step committed deletes the claim, as in the default mode.
+//!   or step committed deletes the claim, as in the default mode; a
+//!   rejection after one is recorded as `FAILED_FINAL` and replayed (what
+//!   was committed stays, so the key never runs again with another request
+//!   and is never resumed behind the client's back).
+//! - **One step at a time, outside phases.** A step begun while another
+//!   runs, or inside an open phase (or after the final phase began), is
+//!   refused with [`LeaseError::Misuse`]; a step begun while an earlier
+//!   step's outcome is unknown parks the record. The name `~claim` in the
+//!   saved data is reserved (the claim's random id, part of every step
+//!   key).
 //! - **Takeover.** A duplicate that finds a live lease waits (bounded by
 //!   [`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)), then
 //!   gets `409` + `Retry-After`. One that finds the lease lapsed takes the
@@ -51,10 +60,12 @@
 //!   `#lease-lost`; the retry gets the new owner's answer.
 //! - **Reconciliation.** A parked record answers every retry with `503`
 //!   `#reconciling` + `Retry-After` and is never executed again on its own.
-//!   [`Reconciler`](crate::Reconciler) lists and resolves such records; a
-//!   [`Completer`] pass retries `recover` for them: `Done` finishes the
-//!   record, a proven `Absent` lets the step run again (with the same step
-//!   key, which the provider deduplicates on), `Unknown` leaves it parked.
+//!   [`Reconciler`](crate::Reconciler) lists and resolves such records
+//!   (of two resolutions of one record exactly one wins); a [`Completer`]
+//!   pass takes them over (`PROCESSING` again while it works, so retries
+//!   meanwhile get `409`) and retries `recover`: `Done` finishes the record,
+//!   a proven `Absent` lets the step run again (with the same step key,
+//!   which the provider deduplicates on), `Unknown` parks it again.
 //! - **Completer.** [`Completer`] finds records whose lease lapsed with no
 //!   client retry, takes them over with the same fencing and drives them to
 //!   completion through a resume function registered per operation.
@@ -186,6 +197,27 @@ mod step;
 pub use completer::{Completer, CompleterReport};
 pub use context::{Leased, Phase};
 pub use step::{Recovered, StepError, StepKey};
+
+/// The saved data a lease claim starts with: a random claim id (128 bits)
+/// under the reserved name `~claim`, which every [`StepKey`] mixes in, so a
+/// key used again after its record was purged never meets its old steps.
+pub(crate) fn claim_data() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut id = String::with_capacity(32);
+    for _ in 0..2 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        id.push_str(&format!("{:016x}", h.finish()));
+    }
+    format!(r#"{{"{CLAIM_ID}":"{id}"}}"#)
+}
+
+/// The reserved name of the claim id in the saved data.
+pub(crate) const CLAIM_ID: &str = "~claim";
 
 /// The settings of lease mode; see the [module docs](self).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -74,23 +74,32 @@ pub(crate) async fn settle<DB: Backend>(
         .copied()
         .unwrap_or_else(|| Classification::from_status(parts.status));
     let outcome = IdempotencyOutcome::Executed(class);
+    let progressed = leased.state().progressed;
     let status = match class {
         Classification::Success => RecordStatus::Succeeded,
         Classification::FinalFailure => RecordStatus::FailedFinal,
+        // A rejection after a phase or step committed is final: what was
+        // committed stays, so the key must not run again with another
+        // request, nor be resumed behind the client's back.
+        Classification::Rejected if progressed => RecordStatus::FailedFinal,
         Classification::Rejected | Classification::Transient => {
             drop(final_tx);
-            let progressed = leased.state().progressed;
-            let write = if class == Classification::Rejected && !progressed {
+            let write = if class == Classification::Rejected {
                 // Nothing but the claim was committed: the key may be used
                 // again with a corrected request, as in the default mode.
                 LeaseWrite::Delete
             } else {
                 LeaseWrite::Release
             };
-            if let Err(e) = leased.write(&write).await {
-                tracing::warn!(error = %e, "could not end the lease; it lapses on its own");
-            }
-            return (Response::from_parts(parts, body), outcome);
+            return match leased.write(&write).await {
+                Ok(()) => (Response::from_parts(parts, body), outcome),
+                // A later attempt owns the key: its answer is the one.
+                Err(LeaseError::Lost) => refused(lease_lost(), 1),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not end the lease; it lapses on its own");
+                    (Response::from_parts(parts, body), outcome)
+                }
+            };
         }
     };
     let stored = StoredResponse::capture(parts.status, &parts.headers, recorded_headers, body);

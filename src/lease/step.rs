@@ -14,9 +14,10 @@ use super::{LeaseError, Leased};
 use crate::store::{Backend, LeaseWrite};
 
 /// The idempotency key of one external step, derived from the ledger row
-/// (principal, operation, key) and the step's name: the same in every
-/// attempt and takeover of the request, different for every step and
-/// every request. Send it to the provider as its idempotency key, so a
+/// (principal, operation, key, and a random id drawn at the claim) and the
+/// step's name: the same in every attempt and takeover of the request,
+/// different for every step and every request, a key used again after its
+/// record was purged included. Send it to the provider as its idempotency key, so a
 /// call repeated after a crash is deduplicated there. 64 hex digits.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct StepKey(String);
@@ -77,6 +78,37 @@ impl<E: std::fmt::Display> std::fmt::Display for StepError<E> {
 
 impl<E: std::fmt::Debug + std::fmt::Display> std::error::Error for StepError<E> {}
 
+/// Marks a step as running for as long as it lives (a dropped step
+/// future included): steps run one at a time, never inside a phase.
+struct Stepping<DB: Backend> {
+    leased: Leased<DB>,
+}
+
+impl<DB: Backend> Stepping<DB> {
+    fn new(leased: &Leased<DB>) -> Result<Self, LeaseError> {
+        let mut state = leased.state();
+        if state.stepping {
+            return Err(LeaseError::Misuse("steps run one at a time"));
+        }
+        if state.phases > 0 {
+            return Err(LeaseError::Misuse(
+                "a step cannot run inside a phase: commit the phase first",
+            ));
+        }
+        state.stepping = true;
+        drop(state);
+        Ok(Self {
+            leased: leased.clone(),
+        })
+    }
+}
+
+impl<DB: Backend> Drop for Stepping<DB> {
+    fn drop(&mut self) {
+        self.leased.state().stepping = false;
+    }
+}
+
 /// How the step's call ended.
 enum Call<T, E> {
     Ok(T),
@@ -89,11 +121,19 @@ type NoLookup<T, E> = fn(StepKey) -> Ready<Result<Recovered<T>, E>>;
 impl<DB: Backend> Leased<DB> {
     /// The [`StepKey`] of step `name` for this request.
     pub fn step_key(&self, name: &str) -> StepKey {
+        let claim = self
+            .state()
+            .data
+            .get(super::CLAIM_ID)
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_owned();
         let mut h = Sha256::new();
         for part in [
             self.inner.principal.as_str(),
             self.inner.operation.as_str(),
             self.inner.key.as_str(),
+            claim.as_str(),
             name,
         ] {
             h.update((part.len() as u64).to_be_bytes());
@@ -167,9 +207,24 @@ impl<DB: Backend> Leased<DB> {
         if let Some(done) = self.saved::<T>(name)? {
             return Ok(done);
         }
+        let _running = Stepping::new(self)?;
         let key = self.step_key(name);
-        let pending = self.state().pending.as_deref() == Some(name);
-        if pending {
+        let pending = self.state().pending.clone();
+        match pending.as_deref() {
+            // Another step's outcome is unknown and this attempt does not
+            // recover it first (the handler took another path): nothing may
+            // run before it is known.
+            Some(other) if other != name => {
+                tracing::error!(
+                    step = name,
+                    pending = other,
+                    "a step began while another step's outcome is unknown"
+                );
+                return Err(self.park(other).await.into());
+            }
+            _ => {}
+        }
+        if pending.is_some() {
             match self.recover(&key, recover.as_ref()).await {
                 Recovered::Done(result) => return self.finish_step(name, result).await,
                 Recovered::Absent => {}
@@ -235,11 +290,12 @@ impl<DB: Backend> Leased<DB> {
             step,
             "the outcome of an external step is unknown; the key is parked for reconciliation"
         );
-        match self.write(&LeaseWrite::Park).await {
-            Ok(()) => {
-                self.state().parked = true;
-                LeaseError::Reconciling
-            }
+        let parked = self.write(&LeaseWrite::Park).await;
+        // Whether or not the park was heard back, this attempt stops here:
+        // a later one finds the step pending (or parked) and recovers first.
+        self.state().parked = true;
+        match parked {
+            Ok(()) => LeaseError::Reconciling,
             Err(e) => e,
         }
     }

@@ -17,11 +17,12 @@ use super::{
 };
 use crate::body::IdempotencyBody;
 use crate::expiry::millis;
+use crate::lease::claim_data;
 use crate::lease::settle::{ReleaseOnDrop, release, settle};
 use crate::lease::{LeaseMode, Leased};
 use crate::observe;
 use crate::problem::Problem;
-use crate::store::{Backend, Claim, RecordStatus};
+use crate::store::{Backend, Claim, LeaseState, RecordStatus};
 
 /// How a lease-mode claim ended.
 enum LeaseClaim<DB: Backend> {
@@ -76,11 +77,29 @@ impl<DB: Backend> Run<DB> {
                 lock_wait: left.clamp(Duration::from_millis(1), MIN_READ_WAIT),
                 isolation: cfg.isolation,
             };
-            let won = bounded(left, DB::lease_claim(&self.pool, &claim, mode.lease_ms())).await;
+            let first = claim_data();
+            let won = bounded(
+                left,
+                DB::lease_claim(&self.pool, &claim, mode.lease_ms(), first.as_bytes()),
+            )
+            .await;
             match won {
                 Ok(true) => {
-                    let fresh =
-                        Leased::new(self.pool.clone(), &id.scope, 1, mode, cfg.isolation, None);
+                    let fresh = LeaseState {
+                        generation: 1,
+                        live: true,
+                        recovery_point: None,
+                        recovery_data: Some(first.into_bytes()),
+                        pending_step: None,
+                    };
+                    let fresh = Leased::new(
+                        self.pool.clone(),
+                        &id.scope,
+                        1,
+                        mode,
+                        cfg.isolation,
+                        Some(&fresh),
+                    );
                     return match fresh {
                         Ok(leased) => LeaseClaim::Won(leased),
                         Err(e) => LeaseClaim::Answer(refusal(Problem::from(e), attempts)),

@@ -23,8 +23,10 @@ pub(crate) struct Dialect {
     pub(crate) now: &'static str,
 }
 
-/// A fenced write on a leased row. Every variant matches only while the
-/// row is `PROCESSING` or `NEEDS_RECONCILIATION` at the writer's generation.
+/// A fenced write on a leased row. The owner's writes match only while the
+/// row is `PROCESSING` at the writer's generation; an operator's verdicts
+/// ([`Rerun`](Self::Rerun), [`Resolve`](Self::Resolve)) only while it is
+/// `NEEDS_RECONCILIATION` and not leased.
 #[derive(Debug, Clone, Copy)]
 pub enum LeaseWrite<'a> {
     /// Extends the lease to `lease_ms` from now.
@@ -39,13 +41,15 @@ pub enum LeaseWrite<'a> {
         /// The lease, milliseconds.
         lease_ms: i64,
     },
-    /// Records a recovery point and the saved data (a JSON object),
-    /// clears the pending step, and extends the lease.
+    /// Records a recovery point and the saved data (a JSON object), and
+    /// extends the lease; a step's progress also clears its pending mark.
     Progress {
         /// The point reached (`None`: the point stays where it was).
         point: Option<&'a str>,
         /// Everything saved so far, a JSON object.
         data: &'a [u8],
+        /// Whether the pending step is settled (a step's own progress).
+        settled: bool,
         /// The lease, milliseconds.
         lease_ms: i64,
     },
@@ -101,7 +105,9 @@ pub(crate) fn lease_from_row(row: LeaseRow) -> Result<LeaseRecord, sqlx::Error> 
     })
 }
 
-const UNSETTLED: &str = "status IN ('PROCESSING', 'NEEDS_RECONCILIATION')";
+/// An attempt writes only while the row is `PROCESSING`: parked or settled
+/// rows take no owner writes.
+const OWNED: &str = "status = 'PROCESSING'";
 
 impl Dialect {
     /// The three scope columns, as a condition.
@@ -114,31 +120,41 @@ impl Dialect {
         )
     }
 
-    /// The fence: the scope, at the writer's generation, not yet settled.
+    /// The fence: the scope, at the writer's generation, `PROCESSING`.
     pub(crate) fn fenced(&self, scope: &Scope<'_>, generation: i64) -> String {
         format!(
-            "{} AND generation = {generation} AND {UNSETTLED}",
+            "{} AND generation = {generation} AND {OWNED}",
             self.scope(scope)
         )
     }
 
     /// A lease claim: `PROCESSING`, generation 1, leased for `lease_ms`.
     /// `tail` is the backend's conflict clause.
-    pub(crate) fn claim(&self, claim: &Claim<'_>, lease_ms: i64, tail: &str) -> String {
+    pub(crate) fn claim(
+        &self,
+        claim: &Claim<'_>,
+        lease_ms: i64,
+        data: &[u8],
+        tail: &str,
+    ) -> String {
         format!(
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
-             request_fingerprint, status, created_at, expires_at, generation, locked_until) \
-             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}, 1, {now} + {lease_ms}) {tail}",
+             request_fingerprint, status, created_at, expires_at, generation, locked_until, \
+             recovery_data) \
+             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}, 1, {now} + {lease_ms}, {}) \
+             {tail}",
             (self.key)(claim.scope.principal),
             (self.key)(claim.scope.operation),
             (self.key)(claim.scope.key),
             (self.blob)(claim.fingerprint),
             claim.retention_ms,
+            (self.blob)(data),
             now = self.now,
         )
     }
 
-    /// Takes a lapsed lease (or, with `parked`, a parked row) over: one
+    /// Takes a lapsed lease (or, with `parked`, a parked row, which becomes
+    /// `PROCESSING` again while its step is recovered) over: one
     /// conditional statement that names the generation seen.
     pub(crate) fn take_over(
         &self,
@@ -153,7 +169,8 @@ impl Dialect {
             ""
         };
         format!(
-            "UPDATE idempotency_records SET generation = {}, locked_until = {now} + {lease_ms} \
+            "UPDATE idempotency_records SET generation = {}, locked_until = {now} + {lease_ms}, \
+             status = 'PROCESSING' \
              WHERE {} AND generation = {seen} AND ((status = 'PROCESSING' \
              AND locked_until <= {now}){also}{close})",
             seen.saturating_add(1),
@@ -201,15 +218,17 @@ impl Dialect {
             LeaseWrite::Progress {
                 point,
                 data,
+                settled,
                 lease_ms,
             } => format!(
-                "recovery_point = {}, recovery_data = {}, pending_step = NULL, \
+                "recovery_point = {}, recovery_data = {}, pending_step = {}, \
                  locked_until = {} + {lease_ms}",
                 point.map_or_else(|| "recovery_point".to_string(), self.key),
                 (self.blob)(data),
+                if *settled { "NULL" } else { "pending_step" },
                 self.now
             ),
-            LeaseWrite::Release => format!("status = 'PROCESSING', locked_until = {}", self.now),
+            LeaseWrite::Release => format!("locked_until = {}", self.now),
             LeaseWrite::Rerun => format!(
                 "status = 'PROCESSING', locked_until = {}, pending_step = NULL",
                 self.now
@@ -228,18 +247,21 @@ impl Dialect {
         format!("UPDATE idempotency_records SET {set} WHERE {fence}")
     }
 
-    /// The rows a completer may take over, oldest lease first.
-    pub(crate) fn list(&self, limit: i64) -> String {
+    /// The rows of `operations` a completer may take over, oldest lease
+    /// first.
+    pub(crate) fn list(&self, operations: &[&str], limit: i64) -> String {
+        let operations = operations
+            .iter()
+            .map(|op| (self.key)(op))
+            .collect::<Vec<_>>()
+            .join(", ");
         format!(
             "SELECT {}, {}, {}, status, generation FROM idempotency_records \
-             WHERE locked_until <= {now} AND generation > 0 AND status = 'PROCESSING' \
-             UNION ALL SELECT {}, {}, {}, status, generation FROM idempotency_records \
-             WHERE status = 'NEEDS_RECONCILIATION' AND generation > 0 \
-             AND pending_step IS NOT NULL AND (locked_until IS NULL OR locked_until <= {now}) \
-             LIMIT {limit}",
-            (self.read_key)("principal_id"),
-            (self.read_key)("operation"),
-            (self.read_key)("idem_key"),
+             WHERE generation > 0 AND operation IN ({operations}) \
+             AND ((status = 'PROCESSING' AND locked_until <= {now}) \
+             OR (status = 'NEEDS_RECONCILIATION' AND pending_step IS NOT NULL \
+             AND (locked_until IS NULL OR locked_until <= {now}))) \
+             ORDER BY locked_until LIMIT {limit}",
             (self.read_key)("principal_id"),
             (self.read_key)("operation"),
             (self.read_key)("idem_key"),

@@ -471,10 +471,12 @@ pub trait Backend: Database {
     /// `locked_until` = now + `lease_ms` (database clock). `Ok(false)` when
     /// a row already holds the scope. Waits for another claimer's
     /// uncommitted row at most about `claim.lock_wait`.
+    /// `data` is the row's first saved data (a JSON object).
     fn lease_claim(
         pool: &Pool<Self>,
         claim: &Claim<'_>,
         lease_ms: i64,
+        data: &[u8],
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Takes over the scope's row at generation `seen` when its lease has
@@ -520,11 +522,13 @@ pub trait Backend: Database {
         write: &LeaseWrite<'_>,
     ) -> impl Future<Output = Result<Option<i64>, FinishError>> + Send;
 
-    /// At most `limit` leased rows a completer may take over: `PROCESSING`
-    /// with a lapsed lease, and `NEEDS_RECONCILIATION` with a pending step
-    /// (whose outcome a completer may still recover).
+    /// At most `limit` leased rows of `operations` a completer may take
+    /// over, the oldest lease first: `PROCESSING` with a lapsed lease, and
+    /// `NEEDS_RECONCILIATION` with a pending step (whose outcome a
+    /// completer may still recover) not leased.
     fn list_leases(
         pool: &Pool<Self>,
+        operations: &[&str],
         limit: i64,
     ) -> impl Future<Output = Result<Vec<LeaseRecord>, sqlx::Error>> + Send;
 }

@@ -234,9 +234,10 @@ impl Backend for MySql {
         pool: &Pool<Self>,
         claim: &Claim<'_>,
         lease_ms: i64,
+        data: &[u8],
     ) -> Result<bool, sqlx::Error> {
         let secs = claim.lock_wait.as_secs_f64().round().clamp(1.0, 3600.0) as u64;
-        let sql = with_lock_wait(secs, &DIALECT.claim(claim, lease_ms, ""));
+        let sql = with_lock_wait(secs, &DIALECT.claim(claim, lease_ms, data, ""));
         match execute(pool, sql).await {
             Ok(_) => Ok(true),
             Err(e)
@@ -291,7 +292,10 @@ impl Backend for MySql {
         // The affected-row count is the count of rows found (sqlx asks for
         // found rows), so it says whether the fence matched.
         let written = async {
-            let sql = DIALECT.write(scope, generation, write);
+            let sql = with_lock_wait(
+                LEASE_LOCK_WAIT_SECS,
+                &DIALECT.write(scope, generation, write),
+            );
             let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
             if done.rows_affected() != 1 {
                 return Ok(None);
@@ -319,8 +323,15 @@ impl Backend for MySql {
         }
     }
 
-    async fn list_leases(pool: &Pool<Self>, limit: i64) -> Result<Vec<LeaseRecord>, sqlx::Error> {
-        sqlx::raw_sql(AssertSqlSafe(DIALECT.list(limit)))
+    async fn list_leases(
+        pool: &Pool<Self>,
+        operations: &[&str],
+        limit: i64,
+    ) -> Result<Vec<LeaseRecord>, sqlx::Error> {
+        if operations.is_empty() {
+            return Ok(Vec::new());
+        }
+        sqlx::raw_sql(AssertSqlSafe(DIALECT.list(operations, limit)))
             .fetch_all(pool)
             .await?
             .iter()

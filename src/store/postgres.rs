@@ -261,6 +261,7 @@ impl Backend for Postgres {
         pool: &Pool<Self>,
         claim: &Claim<'_>,
         lease_ms: i64,
+        data: &[u8],
     ) -> Result<bool, sqlx::Error> {
         let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
         let sql = format!(
@@ -268,6 +269,7 @@ impl Backend for Postgres {
             DIALECT.claim(
                 claim,
                 lease_ms,
+                data,
                 "ON CONFLICT (principal_id, operation, idem_key) DO NOTHING"
             )
         );
@@ -329,8 +331,15 @@ impl Backend for Postgres {
         }
     }
 
-    async fn list_leases(pool: &Pool<Self>, limit: i64) -> Result<Vec<LeaseRecord>, sqlx::Error> {
-        sqlx::raw_sql(AssertSqlSafe(DIALECT.list(limit)))
+    async fn list_leases(
+        pool: &Pool<Self>,
+        operations: &[&str],
+        limit: i64,
+    ) -> Result<Vec<LeaseRecord>, sqlx::Error> {
+        if operations.is_empty() {
+            return Ok(Vec::new());
+        }
+        sqlx::raw_sql(AssertSqlSafe(DIALECT.list(operations, limit)))
             .fetch_all(pool)
             .await?
             .iter()
@@ -413,12 +422,15 @@ async fn run_commit(
 }
 
 /// How lease statements write literals and read the clock.
+/// Lease times are read from the wall clock at the statement
+/// (`clock_timestamp()`), not at the transaction's start: a phase that
+/// commits after a long transaction gets a full lease from its commit.
 const DIALECT: Dialect = Dialect {
     key: text,
     text,
     blob: bytea,
     read_key: |column| column.to_string(),
-    now: now_ms!(),
+    now: "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT",
 };
 
 /// A lease statement whose row-lock wait is bounded: the statement runs in

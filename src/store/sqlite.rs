@@ -193,10 +193,12 @@ impl Backend for Sqlite {
         pool: &Pool<Self>,
         claim: &Claim<'_>,
         lease_ms: i64,
+        data: &[u8],
     ) -> Result<bool, sqlx::Error> {
         let sql = DIALECT.claim(
             claim,
             lease_ms,
+            data,
             "ON CONFLICT (principal_id, operation, idem_key) DO NOTHING",
         );
         Ok(execute(pool, sql).await? == 1)
@@ -259,8 +261,15 @@ impl Backend for Sqlite {
         }
     }
 
-    async fn list_leases(pool: &Pool<Self>, limit: i64) -> Result<Vec<LeaseRecord>, sqlx::Error> {
-        sqlx::raw_sql(AssertSqlSafe(DIALECT.list(limit)))
+    async fn list_leases(
+        pool: &Pool<Self>,
+        operations: &[&str],
+        limit: i64,
+    ) -> Result<Vec<LeaseRecord>, sqlx::Error> {
+        if operations.is_empty() {
+            return Ok(Vec::new());
+        }
+        sqlx::raw_sql(AssertSqlSafe(DIALECT.list(operations, limit)))
             .fetch_all(pool)
             .await?
             .iter()

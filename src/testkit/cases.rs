@@ -13,6 +13,7 @@ use crate::expiry::http_date;
 use crate::{IdempotencyLayer, Sweeper};
 
 pub use super::lease::cases::*;
+pub use super::lease::review::*;
 
 const BODY: &str = r#"{"amount":12000,"items":[]}"#;
 const ALICE: Option<&str> = Some("user-42");

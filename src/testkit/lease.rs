@@ -25,6 +25,7 @@ use crate::IdempotencyLayer;
 use crate::lease::{Completer, LeaseMode, Leased, Recovered, StepError, StepKey};
 
 pub mod cases;
+pub mod review;
 
 /// Stock the final phase takes from; plenty for any case.
 const STOCK: i64 = 1_000;

@@ -506,6 +506,13 @@ macro_rules! conformance_suite {
             lease_completer_finishes_an_abandoned_payment,
             lease_rejection_before_any_phase_frees_the_key,
             lease_step_without_lookup_parks_an_uncertain_outcome,
+            lease_rejection_after_a_phase_is_not_resumed_by_the_completer,
+            lease_stale_owner_rejection_is_not_passed_through,
+            lease_completer_is_not_starved_by_unregistered_operations,
+            lease_completer_pass_does_not_void_an_operator_resolution,
+            lease_concurrent_steps_keep_each_pending_mark,
+            lease_step_key_differs_for_a_reused_key,
+            lease_phase_commit_renews_the_lease_from_commit_time,
         );
     };
 }
