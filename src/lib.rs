@@ -218,6 +218,7 @@ mod body;
 mod classify;
 #[cfg(feature = "client")]
 pub mod client;
+pub mod consumer;
 mod expiry;
 mod fingerprint;
 mod key;

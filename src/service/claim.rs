@@ -13,7 +13,7 @@ use crate::lease::settle::reconciling;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
 use crate::store::{
-    Backend, Claim, ClaimOutcome, IsolationLevel, Record, RecordStatus, Scope, StoreErrorKind,
+    Backend, Claim, ClaimOutcome, OwnedClaim, Record, RecordStatus, StoreErrorKind,
 };
 
 /// The outcome of the claim stage.
@@ -159,15 +159,13 @@ impl<DB: Backend> Run<DB> {
             share.min(PROBE_WAIT)
         }
         .max(Duration::from_millis(1));
-        let owned = OwnedClaim {
-            principal: id.scope.principal.to_owned(),
-            operation: id.scope.operation.to_owned(),
-            key: id.scope.key.to_owned(),
-            fingerprint: *id.fingerprint.as_bytes(),
+        let owned = OwnedClaim::new(&Claim {
+            scope: id.scope,
+            fingerprint: id.fingerprint.as_bytes(),
             retention_ms: millis(cfg.retention),
             lock_wait,
             isolation: cfg.isolation,
-        };
+        });
         let task = tokio::spawn(async move {
             let _permit = permit;
             DB::claim(conn, &owned.as_claim()).await
@@ -258,33 +256,6 @@ enum Attempt<DB: Backend> {
     Blocked,
     /// No waiter permit (or no connection) left for a request that waits.
     NoPermit,
-}
-
-/// The claim's values, owned by the task that runs the claim.
-struct OwnedClaim {
-    principal: String,
-    operation: String,
-    key: String,
-    fingerprint: [u8; 32],
-    retention_ms: i64,
-    lock_wait: Duration,
-    isolation: IsolationLevel,
-}
-
-impl OwnedClaim {
-    fn as_claim(&self) -> Claim<'_> {
-        Claim {
-            scope: Scope {
-                principal: &self.principal,
-                operation: &self.operation,
-                key: &self.key,
-            },
-            fingerprint: &self.fingerprint,
-            retention_ms: self.retention_ms,
-            lock_wait: self.lock_wait,
-            isolation: self.isolation,
-        }
-    }
 }
 
 /// A store failure ends the claim stage with a retryable refusal.

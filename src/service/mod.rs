@@ -406,9 +406,9 @@ where
 pin_project! {
     /// Polls a future, turning a panic into an `Err` so the layer can roll
     /// back before the panic continues.
-    struct CatchUnwind<F> {
+    pub(crate) struct CatchUnwind<F> {
         #[pin]
-        inner: F,
+        pub(crate) inner: F,
     }
 }
 

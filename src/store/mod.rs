@@ -123,6 +123,46 @@ pub struct Claim<'a> {
     pub isolation: IsolationLevel,
 }
 
+/// A claim's values, owned, for the task that runs the claim (a claim must
+/// not be cancelled halfway: see [`Backend::claim`]).
+pub(crate) struct OwnedClaim {
+    principal: String,
+    operation: String,
+    key: String,
+    fingerprint: Vec<u8>,
+    retention_ms: i64,
+    lock_wait: Duration,
+    isolation: IsolationLevel,
+}
+
+impl OwnedClaim {
+    pub(crate) fn new(claim: &Claim<'_>) -> Self {
+        Self {
+            principal: claim.scope.principal.to_owned(),
+            operation: claim.scope.operation.to_owned(),
+            key: claim.scope.key.to_owned(),
+            fingerprint: claim.fingerprint.to_vec(),
+            retention_ms: claim.retention_ms,
+            lock_wait: claim.lock_wait,
+            isolation: claim.isolation,
+        }
+    }
+
+    pub(crate) fn as_claim(&self) -> Claim<'_> {
+        Claim {
+            scope: Scope {
+                principal: &self.principal,
+                operation: &self.operation,
+                key: &self.key,
+            },
+            fingerprint: &self.fingerprint,
+            retention_ms: self.retention_ms,
+            lock_wait: self.lock_wait,
+            isolation: self.isolation,
+        }
+    }
+}
+
 /// The state of a ledger row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecordStatus {

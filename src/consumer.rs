@@ -1,0 +1,387 @@
+//! The other boundary: at-least-once message consumers on the same ledger.
+//!
+//! A broker delivers at least once: the same message can arrive again after
+//! a crash, a lost acknowledgement or an acknowledgement timeout. A
+//! [`Consumer`] runs the handler on a transaction in which the message id is
+//! claimed under the unique `(subscriber, message id)`, in the **same ledger
+//! table and migrations** as the HTTP layer (the subscriber is the scope's
+//! principal, the operation is `message`). The processed-message row
+//! commits together with the handler's business writes or not at all:
+//!
+//! - **first delivery**: the handler runs; on `Ok` its writes and the
+//!   message's row commit together, [`Processed::Applied`]; acknowledge the
+//!   message *after* this returns.
+//! - **a duplicate delivery** of a committed message: the handler does not
+//!   run, [`Processed::Duplicate`]; acknowledge it.
+//! - **the handler fails** (`Err`, or a panic): both roll back,
+//!   [`ConsumeError::Handler`]; do not acknowledge, so the redelivery runs it
+//!   again. The message is never marked processed before its effect commits
+//!   (the trap of marking first, where a failed message's redelivery is
+//!   dropped).
+//! - **concurrent deliveries of one id** (two consumers, a redelivery while
+//!   the first is still running): the unique constraint decides. The second
+//!   delivery's claim waits on the first's uncommitted row (bounded by
+//!   [`with_lock_wait`](Consumer::with_lock_wait), then
+//!   [`ConsumeError::InFlight`]); when the first commits it is a duplicate,
+//!   when the first rolls back it runs. So two runs of one id never overlap,
+//!   and a handler runs again only after an earlier run of the id rolled
+//!   back: the effect on the database happens exactly once per committed
+//!   delivery. An effect *outside* the transaction (a call to another
+//!   service) can still repeat after a rollback: keep those out of handlers,
+//!   or use lease mode's steps.
+//! - **the same id with a different payload** (a producer bug): with the
+//!   payload check on (the default), the payload's fingerprint (canonical
+//!   JSON when it is JSON, the bytes otherwise) is stored with the id, and a
+//!   mismatch is [`ConsumeError::PayloadMismatch`]: logged at error level,
+//!   counted (`idempotency_messages_total{outcome="payload_mismatch"}` with
+//!   the `metrics` feature), never applied and never silently dropped.
+//!
+//! # Retention
+//!
+//! Processed-message rows are kept for [`with_retention`] (7 days by
+//! default): choose it longer than the broker can redeliver a message
+//! (JetStream's `max_age` or redelivery limits, a producer's outbox retry
+//! window). The [`Sweeper`](crate::Sweeper) turns them into tombstones and
+//! purges the tombstones much later, as for HTTP records; a tombstoned id is
+//! still a duplicate.
+//!
+//! # Example
+//!
+//! ```
+//! use sqlx::{Sqlite, sqlite::SqlitePoolOptions};
+//! use tower_idempotency::consumer::{Consumer, Processed};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let pool = SqlitePoolOptions::new().max_connections(1).connect("sqlite::memory:").await?;
+//! tower_idempotency::migrate(&pool).await?;
+//! sqlx::raw_sql("CREATE TABLE stock (sku TEXT PRIMARY KEY, qty INTEGER);
+//!                INSERT INTO stock VALUES ('sku-1', 10)")
+//!     .execute(&pool)
+//!     .await?;
+//! let consumer = Consumer::new(pool.clone(), "stock");
+//! let payload = br#"{"orderId":"o-1","sku":"sku-1","qty":2}"#;
+//! for _delivery in 0..2 {
+//!     let done = consumer
+//!         .process("evt-1", payload, |tx| async move {
+//!             let mut conn = tx.lock()?;
+//!             sqlx::query("UPDATE stock SET qty = qty - 2 WHERE sku = 'sku-1'")
+//!                 .execute(&mut *conn)
+//!                 .await?;
+//!             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+//!         })
+//!         .await?;
+//!     // Acknowledge the message here, after the commit.
+//!     let _ = matches!(done, Processed::Applied(()) | Processed::Duplicate);
+//! }
+//! let qty: i64 = sqlx::query_scalar("SELECT qty FROM stock").fetch_one(&pool).await?;
+//! assert_eq!(qty, 8);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! [`with_retention`]: Consumer::with_retention
+
+use std::future::Future;
+use std::panic::resume_unwind;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use sqlx::Pool;
+use tokio::time::Instant;
+
+use crate::expiry::{is_expired, millis};
+use crate::fingerprint::canonical_json;
+use crate::scope::bounded;
+use crate::service::CatchUnwind;
+use crate::store::{
+    Backend, Claim, ClaimOutcome, Completion, IsolationLevel, OwnedClaim, RecordStatus, Scope,
+    StoreErrorKind,
+};
+use crate::tx::Tx;
+
+/// The operation of every processed-message row.
+pub const MESSAGE_OPERATION: &str = "message";
+
+/// What became of a delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Processed<T> {
+    /// The handler ran and its writes committed with the message's row.
+    Applied(T),
+    /// The message was processed before: the handler did not run.
+    Duplicate,
+}
+
+/// Why a delivery was not processed. Except for
+/// [`PayloadMismatch`](Self::PayloadMismatch) and
+/// [`InvalidId`](Self::InvalidId), nothing was committed and the message
+/// should be redelivered (not acknowledged).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ConsumeError<E> {
+    /// The handler failed: its writes were rolled back.
+    Handler(E),
+    /// The id was processed before with a different payload: a producer
+    /// bug. Nothing was applied; redelivery cannot fix it (decide, then
+    /// acknowledge or dead-letter it).
+    PayloadMismatch {
+        /// The message id.
+        message_id: String,
+    },
+    /// The message id is empty.
+    InvalidId,
+    /// Another delivery of the id held it past the lock wait: retry later.
+    InFlight,
+    /// The id's row is awaiting reconciliation (a handler ended the
+    /// transaction itself): retry after an operator resolved it.
+    Unresolved,
+    /// The handler kept the transaction handle past its return: rolled back.
+    TransactionHeld,
+    /// The store failed. When the connection was lost during `COMMIT`, the
+    /// outcome is unknown: the redelivery finds out (a duplicate if it
+    /// committed).
+    Store(sqlx::Error),
+}
+
+impl<E: std::fmt::Display> std::fmt::Display for ConsumeError<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Handler(e) => write!(f, "the handler failed: {e}"),
+            Self::PayloadMismatch { message_id } => write!(
+                f,
+                "message {message_id:?} was processed before with a different payload"
+            ),
+            Self::InvalidId => f.write_str("the message id is empty"),
+            Self::InFlight => f.write_str("another delivery of this message is in progress"),
+            Self::Unresolved => f.write_str("the message's record awaits reconciliation"),
+            Self::TransactionHeld => f.write_str("the handler kept the transaction"),
+            Self::Store(e) => write!(f, "ledger: {e}"),
+        }
+    }
+}
+
+impl<E: std::fmt::Debug + std::fmt::Display> std::error::Error for ConsumeError<E> {}
+
+/// Runs message handlers at most once per `(subscriber, message id)`; see
+/// the [module docs](self). Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Consumer<DB: Backend> {
+    pool: Pool<DB>,
+    subscriber: String,
+    retention: Duration,
+    lock_wait: Duration,
+    check_payload: bool,
+    isolation: IsolationLevel,
+}
+
+impl<DB: Backend> Consumer<DB> {
+    /// A consumer for `subscriber` (the name of the consuming service or
+    /// durable subscription: ids are unique per subscriber), keeping
+    /// processed ids 7 days, waiting at most 10 s on a concurrent delivery,
+    /// checking payloads.
+    pub fn new(pool: Pool<DB>, subscriber: impl Into<String>) -> Self {
+        Self {
+            pool,
+            subscriber: bounded(&subscriber.into()).into_owned(),
+            retention: Duration::from_secs(7 * 24 * 3600),
+            lock_wait: Duration::from_secs(10),
+            check_payload: true,
+            isolation: IsolationLevel::default(),
+        }
+    }
+
+    /// How long a processed id is remembered (default 7 days).
+    #[must_use]
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = retention.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The longest wait on a concurrent delivery of the same id (default
+    /// 10 s), after which [`ConsumeError::InFlight`].
+    #[must_use]
+    pub fn with_lock_wait(mut self, wait: Duration) -> Self {
+        self.lock_wait = wait.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Whether a payload is fingerprinted and compared under its id
+    /// (default `true`).
+    #[must_use]
+    pub fn with_payload_check(mut self, check: bool) -> Self {
+        self.check_payload = check;
+        self
+    }
+
+    /// The isolation level of the handler's transaction (default
+    /// `READ COMMITTED`).
+    #[must_use]
+    pub fn with_isolation_level(mut self, level: IsolationLevel) -> Self {
+        self.isolation = level;
+        self
+    }
+
+    /// Processes one delivery of `message_id` with `payload`: runs
+    /// `handler` on the transaction that claims the id, unless the id was
+    /// processed before. The handler writes through the [`Tx`] handle
+    /// (lock it, write, drop the guard) and must not commit or roll back
+    /// itself.
+    pub async fn process<T, E, F, Fut>(
+        &self,
+        message_id: &str,
+        payload: &[u8],
+        handler: F,
+    ) -> Result<Processed<T>, ConsumeError<E>>
+    where
+        F: FnOnce(Tx<DB>) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        if message_id.is_empty() {
+            return Err(ConsumeError::InvalidId);
+        }
+        let key = bounded(message_id);
+        let scope = Scope {
+            principal: &self.subscriber,
+            operation: MESSAGE_OPERATION,
+            key: &key,
+        };
+        let fingerprint = self.fingerprint(payload);
+        let deadline = Instant::now() + self.lock_wait;
+        let tx = loop {
+            match self.claim(&scope, &fingerprint, deadline).await {
+                Ok(Some(tx)) => break tx,
+                Ok(None) => {}
+                Err(e) => return Err(e),
+            }
+            match DB::fetch(&self.pool, &scope).await.map_err(ConsumeError::Store)? {
+                Some(record) if record.fingerprint != fingerprint => {
+                    tracing::error!(
+                        subscriber = %self.subscriber,
+                        message_id,
+                        "a message id was delivered again with a different payload; not applied"
+                    );
+                    count("payload_mismatch");
+                    return Err(ConsumeError::PayloadMismatch {
+                        message_id: message_id.to_owned(),
+                    });
+                }
+                Some(record) if record.status.is_terminal() || is_expired(&record) => {
+                    count("duplicate");
+                    return Ok(Processed::Duplicate);
+                }
+                Some(_) => return Err(ConsumeError::Unresolved),
+                // Gone between the claim and the read (swept): claim again.
+                None if Instant::now() < deadline => continue,
+                None => return Err(ConsumeError::InFlight),
+            }
+        };
+        let handle = Tx::new(tx);
+        let ran = CatchUnwind {
+            inner: handler(handle.clone()),
+        }
+        .await;
+        let tx = handle.take();
+        drop(handle);
+        let value = match ran {
+            Err(panic) => {
+                rollback(tx).await;
+                resume_unwind(panic);
+            }
+            Ok(Err(e)) => {
+                rollback(tx).await;
+                count("handler_error");
+                return Err(ConsumeError::Handler(e));
+            }
+            Ok(Ok(value)) => value,
+        };
+        let Some(tx) = tx else {
+            return Err(ConsumeError::TransactionHeld);
+        };
+        let done = Completion {
+            status: RecordStatus::Succeeded,
+            response_status: 200,
+            response_headers: b"",
+            response_body: b"",
+            resource_id: None,
+        };
+        match DB::finish(&self.pool, tx, &scope, &done).await {
+            Ok(_) => {
+                count("applied");
+                Ok(Processed::Applied(value))
+            }
+            Err(e) => Err(ConsumeError::Store(e.into_inner())),
+        }
+    }
+
+    /// One claim of the id, waiting on a concurrent delivery at most until
+    /// `deadline`: the claimed transaction, or `None` when a committed row
+    /// holds the id.
+    async fn claim<E>(
+        &self,
+        scope: &Scope<'_>,
+        fingerprint: &[u8; 32],
+        deadline: Instant,
+    ) -> Result<Option<sqlx::Transaction<'static, DB>>, ConsumeError<E>> {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let conn = match tokio::time::timeout(left, self.pool.acquire()).await {
+                Ok(conn) => conn.map_err(ConsumeError::Store)?,
+                Err(_) => return Err(ConsumeError::InFlight),
+            };
+            let owned = OwnedClaim::new(&Claim {
+                scope: *scope,
+                fingerprint,
+                retention_ms: millis(self.retention),
+                lock_wait: left.max(Duration::from_millis(1)),
+                isolation: self.isolation,
+            });
+            // Its own task: a claim dropped mid-way could leave the
+            // connection inside a transaction (see `Backend::claim`).
+            let claimed = tokio::spawn(async move { DB::claim(conn, &owned.as_claim()).await })
+                .await
+                .map_err(|_| ConsumeError::Store(sqlx::Error::WorkerCrashed))?;
+            match claimed {
+                Ok(ClaimOutcome::Won(tx)) => return Ok(Some(tx)),
+                Ok(ClaimOutcome::Lost) => return Ok(None),
+                Err(e) => match DB::error_kind(&e) {
+                    // A concurrent claim above READ COMMITTED: read it.
+                    StoreErrorKind::Conflict => return Ok(None),
+                    StoreErrorKind::LockTimeout | StoreErrorKind::Busy
+                        if Instant::now() + Duration::from_millis(20) < deadline =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    StoreErrorKind::LockTimeout | StoreErrorKind::Busy => {
+                        return Err(ConsumeError::InFlight);
+                    }
+                    _ => return Err(ConsumeError::Store(e)),
+                },
+            }
+        }
+    }
+
+    /// The payload's fingerprint: SHA-256 of its canonical JSON, or of its
+    /// bytes when it is not JSON; all zeros with the check off.
+    fn fingerprint(&self, payload: &[u8]) -> [u8; 32] {
+        if !self.check_payload {
+            return [0; 32];
+        }
+        let canonical = canonical_json(payload);
+        let bytes = canonical.as_deref().unwrap_or(payload);
+        Sha256::digest(bytes).into()
+    }
+}
+
+/// Rolls the claimed transaction back and waits for it.
+async fn rollback<DB: Backend>(tx: Option<sqlx::Transaction<'static, DB>>) {
+    if let Some(tx) = tx {
+        let _ = tx.rollback().await;
+    }
+}
+
+fn count(outcome: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_messages_total", "outcome" => outcome).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = outcome;
+}
