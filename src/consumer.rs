@@ -253,7 +253,10 @@ impl<DB: Backend> Consumer<DB> {
                 Ok(None) => {}
                 Err(e) => return Err(e),
             }
-            match DB::fetch(&self.pool, &scope).await.map_err(ConsumeError::Store)? {
+            match DB::fetch(&self.pool, &scope)
+                .await
+                .map_err(ConsumeError::Store)?
+            {
                 Some(record) if record.fingerprint != fingerprint => {
                     tracing::error!(
                         subscriber = %self.subscriber,
