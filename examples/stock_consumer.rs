@@ -515,7 +515,7 @@ async fn subscribe(
             }
         };
         let info = stream.cached_info();
-        if !info.config.subjects.iter().any(|s| *s == args.subject) {
+        if !info.config.subjects.contains(&args.subject) {
             eprintln!(
                 "stock_consumer: stream {} exists with subjects {:?}, not {}",
                 args.stream, info.config.subjects, args.subject
