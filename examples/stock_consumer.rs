@@ -80,7 +80,9 @@
 //! duplicate, not a second row. Otherwise (no id, a mismatch) the row's id
 //! is the delivery's place in the stream (`<stream>:<stream created>:<stream
 //! sequence>`), inserted if absent, so a redelivery after a crash before the
-//! ack records nothing new.
+//! ack records nothing new. A poison id counts as processed: once the
+//! cause is fixed (say the missing `stock` row added), the producer
+//! republishes the event under a new Message-Id.
 //!
 //! Every other failure (the database is down, a lock wait ran out, a
 //! serialization conflict) rolls back, is *not* acked but nak'ed with a
@@ -291,11 +293,15 @@ impl<DB: StockDb> Worker<DB> {
     /// Handles one delivery and says whether to ack it; never panics on a
     /// bad message.
     async fn handle(&self, msg: &Message) -> Verdict {
-        let (seq, delivered) = match msg.info() {
-            Ok(info) => (info.stream_sequence, info.delivered),
-            Err(_) => (0, 0),
+        let (seq, delivered, delivery_id) = match msg.info() {
+            Ok(info) => (
+                info.stream_sequence,
+                info.delivered,
+                format!("{}:{}", self.stream_key, info.stream_sequence),
+            ),
+            // Not a JetStream delivery (no ack subject): a unique row id.
+            Err(_) => (0, 0, format!("{}:unknown:{}", self.stream_key, now_nanos())),
         };
-        let delivery_id = format!("{}:{seq}", self.stream_key);
         let payload: &[u8] = &msg.payload;
         let message_id = message_id(msg);
         println!(
@@ -434,6 +440,12 @@ impl<DB: StockDb> Worker<DB> {
     }
 }
 
+fn now_nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
+}
+
 /// The `Message-Id` header (any case), when present and non-empty.
 fn message_id(msg: &Message) -> Option<&str> {
     let headers = msg.headers.as_ref()?;
@@ -483,6 +495,7 @@ async fn handle_with_progress<DB: StockDb>(
 async fn settle(msg: &Message, verdict: Verdict) {
     let sent = match verdict {
         Verdict::Ack => msg.ack().await,
+        Verdict::Nak(delay) if delay.is_zero() => msg.ack_with(AckKind::Nak(None)).await,
         Verdict::Nak(delay) => msg.ack_with(AckKind::Nak(Some(delay))).await,
     };
     if let Err(e) = sent {

@@ -494,8 +494,9 @@ impl Poison {
     }
 }
 
-/// Publishes the three kinds of poison (no Message-Id, a body that does not
-/// parse, a qty that is not positive), the bad one twice by the relay.
+/// Publishes the kinds of poison (no Message-Id, a body that does not
+/// parse, a qty that is not positive, a sku without stock), the bad body
+/// twice by the relay.
 async fn publish_poison<DB: TestDb>(w: &mut World<DB>, case: &str) -> Poison {
     w.publish_raw(None, r#"{"orderId":"o-x","sku":"sku-a","qty":1}"#)
         .await;
@@ -505,9 +506,19 @@ async fn publish_poison<DB: TestDb>(w: &mut World<DB>, case: &str) -> Poison {
     let zero = format!("zero-{case}");
     w.publish_raw(Some(&zero), r#"{"orderId":"o-z","sku":"sku-a","qty":0}"#)
         .await;
+    let unknown = format!("unknown-sku-{case}");
+    w.publish_raw(
+        Some(&unknown),
+        r#"{"orderId":"o-u","sku":"sku-none","qty":1}"#,
+    )
+    .await;
     Poison {
         without_id: 1,
-        with_id: vec![(bad, "invalid body"), (zero, "positive")],
+        with_id: vec![
+            (bad, "invalid body"),
+            (zero, "positive"),
+            (unknown, "no stock row"),
+        ],
     }
 }
 
