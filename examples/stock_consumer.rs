@@ -52,13 +52,20 @@
 //! - **after the ack**: nothing is redelivered.
 //! - **the same Message-Id twice at once** (an outbox relay that published
 //!   it again, two processes on one durable): the database's unique
-//!   constraint decides; the second waits for the first and is a duplicate
-//!   when it committed, or runs when it rolled back.
+//!   constraint decides; the second waits for the first (at most 10 s,
+//!   then it is nak'ed and comes back) and is a duplicate when it
+//!   committed, or runs when it rolled back.
+//! - **the connection is lost during `COMMIT`**: the outcome is unknown,
+//!   the delivery is nak'ed, and its redelivery finds out (a duplicate if
+//!   it committed).
 //!
 //! While a delivery is in the handler the consumer sends JetStream
 //! "in progress" acks every half `ack_wait`, so a slow transaction is not
 //! redelivered to another process meanwhile; a dead process sends none, so
-//! its message comes back after `ack_wait`. Ids are remembered 7 days (the
+//! its message comes back after `ack_wait`. Messages still waiting in a
+//! fetched batch (at most 10) get no such acks: with handlers slower than
+//! `ack_wait / 10` some are redelivered meanwhile, which costs a duplicate
+//! delivery, not a second effect. Ids are remembered 7 days (the
 //! ledger's retention): a producer that republishes an event later than
 //! that would apply it again, so keep the outbox's retry window shorter.
 //!
@@ -115,6 +122,23 @@ const UNRESOLVED_DELAY: Duration = Duration::from_secs(30);
 const MAX_ID_LEN: usize = 255;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A line on stdout; a closed stdout is no reason to stop (`println!`
+/// would panic).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
+/// A line on stderr, likewise.
+macro_rules! log {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
 
 /// The body of an `orders.created` event.
 #[derive(Debug, Deserialize)]
@@ -304,7 +328,7 @@ impl<DB: StockDb> Worker<DB> {
         };
         let payload: &[u8] = &msg.payload;
         let message_id = message_id(msg);
-        println!(
+        say!(
             "received {} seq={seq} delivery={delivered}",
             message_id.unwrap_or("-")
         );
@@ -360,7 +384,7 @@ impl<DB: StockDb> Worker<DB> {
                         Handled::Poison(reason)
                     }
                 };
-                println!("in-transaction {id}");
+                say!("in-transaction {id}");
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
@@ -370,16 +394,16 @@ impl<DB: StockDb> Worker<DB> {
             .await;
         match done {
             Ok(Processed::Applied(Handled::Applied)) => {
-                println!("applied {id}");
+                say!("applied {id}");
                 Verdict::Ack
             }
             Ok(Processed::Applied(Handled::Poison(reason))) => {
-                eprintln!("stock_consumer: poison message {id:?}: {reason}");
-                println!("poison {id} {reason}");
+                log!("stock_consumer: poison message {id:?}: {reason}");
+                say!("poison {id} {reason}");
                 Verdict::Ack
             }
             Ok(Processed::Duplicate) => {
-                println!("duplicate {id}");
+                say!("duplicate {id}");
                 Verdict::Ack
             }
             Err(ConsumeError::PayloadMismatch { .. }) => {
@@ -401,14 +425,14 @@ impl<DB: StockDb> Worker<DB> {
                 self.record_poison("-", &poison).await
             }
             Err(e @ ConsumeError::Unresolved) => {
-                eprintln!("stock_consumer: {id:?}: {e}; retrying later");
-                println!("retry {id} {e}");
+                log!("stock_consumer: {id:?}: {e}; retrying later");
+                say!("retry {id} {e}");
                 Verdict::Nak(UNRESOLVED_DELAY)
             }
             // Handler, Store, InFlight, TransactionHeld: rolled back, retry.
             Err(e) => {
-                eprintln!("stock_consumer: {id:?}: {e}; not acked, redelivered");
-                println!("retry {id} {e}");
+                log!("stock_consumer: {id:?}: {e}; not acked, redelivered");
+                say!("retry {id} {e}");
                 Verdict::Nak(RETRY_DELAY)
             }
         }
@@ -424,16 +448,17 @@ impl<DB: StockDb> Worker<DB> {
         .await;
         match recorded {
             Ok(()) => {
-                eprintln!(
+                log!(
                     "stock_consumer: poison message {label:?} ({}): {}",
-                    poison.id, poison.reason
+                    poison.id,
+                    poison.reason
                 );
-                println!("poison {label} {}", poison.reason);
+                say!("poison {label} {}", poison.reason);
                 Verdict::Ack
             }
             Err(e) => {
-                eprintln!("stock_consumer: recording poison {label:?} failed: {e}; redelivered");
-                println!("retry {label} {e}");
+                log!("stock_consumer: recording poison {label:?} failed: {e}; redelivered");
+                say!("retry {label} {e}");
                 Verdict::Nak(RETRY_DELAY)
             }
         }
@@ -485,7 +510,7 @@ async fn handle_with_progress<DB: StockDb>(
             verdict = &mut handling => return verdict,
             _ = progress.tick() => {
                 if let Err(e) = msg.ack_with(AckKind::Progress).await {
-                    eprintln!("stock_consumer: in-progress ack failed: {e}");
+                    log!("stock_consumer: in-progress ack failed: {e}");
                 }
             }
         }
@@ -500,7 +525,7 @@ async fn settle(msg: &Message, verdict: Verdict) {
     };
     if let Err(e) = sent {
         // Not acked: redelivered after ack_wait, then a duplicate.
-        eprintln!("stock_consumer: ack failed: {e}");
+        log!("stock_consumer: ack failed: {e}");
     }
 }
 
@@ -529,9 +554,11 @@ async fn subscribe(
         };
         let info = stream.cached_info();
         if !info.config.subjects.contains(&args.subject) {
-            eprintln!(
+            log!(
                 "stock_consumer: stream {} exists with subjects {:?}, not {}",
-                args.stream, info.config.subjects, args.subject
+                args.stream,
+                info.config.subjects,
+                args.subject
             );
         }
         let stream_key = format!("{}:{}", args.stream, info.created.unix_timestamp_nanos());
@@ -545,7 +572,7 @@ async fn subscribe(
             Ok(consumer) => {
                 let existing = consumer.cached_info().config.ack_wait;
                 if existing != args.ack_wait {
-                    eprintln!(
+                    log!(
                         "stock_consumer: durable {} exists with ack_wait {existing:?}, kept",
                         args.durable
                     );
@@ -576,9 +603,10 @@ async fn run<DB: StockDb>(pool: Pool<DB>, args: &Args, store: &str) -> Result<()
         handler_delay: args.handler_delay,
         stream_key,
     };
-    println!(
+    say!(
         "stock_consumer consuming {} as {} (store: {store})",
-        args.subject, args.durable
+        args.subject,
+        args.durable
     );
     'pull: while !*stop.borrow() {
         let batch = tokio::select! {
@@ -588,7 +616,7 @@ async fn run<DB: StockDb>(pool: Pool<DB>, args: &Args, store: &str) -> Result<()
         let mut batch = match batch {
             Ok(batch) => batch,
             Err(e) => {
-                eprintln!("stock_consumer: pull request failed: {e}");
+                log!("stock_consumer: pull request failed: {e}");
                 tokio::select! {
                     _ = tokio::time::sleep(RETRY_DELAY) => {}
                     _ = stop.changed() => {}
@@ -604,7 +632,7 @@ async fn run<DB: StockDb>(pool: Pool<DB>, args: &Args, store: &str) -> Result<()
             match next {
                 None => break,
                 Some(Err(e)) => {
-                    eprintln!("stock_consumer: pull failed: {e}");
+                    log!("stock_consumer: pull failed: {e}");
                     break;
                 }
                 Some(Ok(msg)) => {
@@ -628,7 +656,7 @@ async fn run<DB: StockDb>(pool: Pool<DB>, args: &Args, store: &str) -> Result<()
         .await
         .is_err()
     {
-        eprintln!("stock_consumer: the last acks were not flushed within 5 s");
+        log!("stock_consumer: the last acks were not flushed within 5 s");
     }
     pool.close().await;
     Ok(())
