@@ -164,7 +164,6 @@ impl<E: std::fmt::Debug + std::fmt::Display> std::error::Error for ConsumeError<
 
 /// Runs message handlers at most once per `(subscriber, message id)`; see
 /// the [module docs](self). Cheap to clone.
-#[derive(Debug, Clone)]
 pub struct Consumer<DB: Backend> {
     pool: Pool<DB>,
     subscriber: String,
@@ -172,6 +171,27 @@ pub struct Consumer<DB: Backend> {
     lock_wait: Duration,
     check_payload: bool,
     isolation: IsolationLevel,
+}
+
+impl<DB: Backend> Clone for Consumer<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            subscriber: self.subscriber.clone(),
+            ..*self
+        }
+    }
+}
+
+impl<DB: Backend> std::fmt::Debug for Consumer<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("subscriber", &self.subscriber)
+            .field("retention", &self.retention)
+            .field("lock_wait", &self.lock_wait)
+            .field("check_payload", &self.check_payload)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<DB: Backend> Consumer<DB> {
@@ -372,6 +392,89 @@ impl<DB: Backend> Consumer<DB> {
         let canonical = canonical_json(payload);
         let bytes = canonical.as_deref().unwrap_or(payload);
         Sha256::digest(bytes).into()
+    }
+}
+
+/// One delivery, for [`ConsumeService`]: the message id (the producer's
+/// event id, the dedupe key) and the payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// The message id.
+    pub id: String,
+    /// The payload, byte for byte.
+    pub payload: bytes::Bytes,
+}
+
+/// A tower [`Service`](tower_service::Service) over [`Message`]s: each call
+/// is one [`Consumer::process`], the inner service called with the claimed
+/// transaction and the message (only when the message is not a
+/// duplicate). Made by [`Consumer::service`].
+pub struct ConsumeService<DB: Backend, S> {
+    consumer: Consumer<DB>,
+    inner: S,
+}
+
+impl<DB: Backend, S: Clone> Clone for ConsumeService<DB, S> {
+    fn clone(&self) -> Self {
+        Self {
+            consumer: self.consumer.clone(),
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<DB: Backend, S> std::fmt::Debug for ConsumeService<DB, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumeService")
+            .field("consumer", &self.consumer)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> Consumer<DB> {
+    /// This consumer as a tower service over [`Message`]s, running `inner`
+    /// (a service over `(Tx<DB>, Message)`) for each message not processed
+    /// before.
+    pub fn service<S>(self, inner: S) -> ConsumeService<DB, S> {
+        ConsumeService {
+            consumer: self,
+            inner,
+        }
+    }
+}
+
+type BoxFuture<T> = std::pin::Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl<DB, S> tower_service::Service<Message> for ConsumeService<DB, S>
+where
+    DB: Backend,
+    S: tower_service::Service<(Tx<DB>, Message)> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Response: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = Processed<S::Response>;
+    type Error = ConsumeError<S::Error>;
+    type Future = BoxFuture<Result<Processed<S::Response>, ConsumeError<S::Error>>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(ConsumeError::Handler)
+    }
+
+    fn call(&mut self, message: Message) -> Self::Future {
+        // The service that was polled ready runs this message.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let consumer = self.consumer.clone();
+        Box::pin(async move {
+            let (id, payload) = (message.id.clone(), message.payload.clone());
+            consumer
+                .process(&id, &payload, move |tx| inner.call((tx, message)))
+                .await
+        })
     }
 }
 

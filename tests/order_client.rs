@@ -110,7 +110,7 @@ async fn serve(mut client: TcpStream, upstream: &str, counts: &Counts) -> std::i
             counts.dropped_answers.fetch_add(1, Ordering::SeqCst);
             return Ok(());
         }
-        if n % 6 == 4 {
+        if n % 6 == 3 {
             counts.delayed.fetch_add(1, Ordering::SeqCst);
             tokio::time::sleep(Duration::from_millis(150)).await;
         }
@@ -290,6 +290,8 @@ async fn orders_through_a_lossy_link<DB: TestDb>() {
     );
     assert!(disturbed * 3 >= requests, "a meaningful share is disturbed");
     assert!(counts.dropped_answers.load(Ordering::SeqCst) > 0);
+    assert!(counts.resets.load(Ordering::SeqCst) > 0);
+    assert!(counts.delayed.load(Ordering::SeqCst) > 0);
     assert!(
         summary["replayed"].as_u64().unwrap() > 0,
         "lost answers were replayed"

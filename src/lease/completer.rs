@@ -163,6 +163,10 @@ impl<DB: Backend> Completer<DB> {
             report.taken_over += 1;
             let generation = record.generation + 1;
             let saved = DB::fetch(&self.pool, &scope).await?.and_then(|r| r.lease);
+            if saved.as_ref().map(|s| s.generation) != Some(generation) {
+                // Taken over again in between (a client's retry): theirs.
+                continue;
+            }
             let leased = match Leased::new(
                 self.pool.clone(),
                 &scope,

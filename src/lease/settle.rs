@@ -5,7 +5,7 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Response};
 
 use super::{LeaseError, Leased};
-use crate::classify::{Classification, ResourceId};
+use crate::classify::Classification;
 use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date};
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
@@ -103,18 +103,7 @@ pub(crate) async fn settle<DB: Backend>(
         }
     };
     let stored = StoredResponse::capture(parts.status, &parts.headers, recorded_headers, body);
-    let resource_id = parts
-        .extensions
-        .get::<ResourceId>()
-        .map(ResourceId::as_str)
-        .filter(|id| id.len() <= 255 && !id.contains('\0'));
-    let completion = Completion {
-        status,
-        response_status: i32::from(stored.status),
-        response_headers: &stored.headers,
-        response_body: &stored.body,
-        resource_id,
-    };
+    let completion = Completion::of(status, &stored, &parts.extensions);
     let inner = &leased.inner;
     let tx = match final_tx {
         Some(tx) => Ok(tx),

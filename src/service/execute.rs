@@ -17,7 +17,7 @@ use super::{
     read_response, refuse, store_problem,
 };
 use crate::body::IdempotencyBody;
-use crate::classify::{Classification, ResourceId};
+use crate::classify::Classification;
 use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, millis};
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
@@ -104,20 +104,7 @@ impl<DB: Backend> Run<DB> {
             &self.config.recorded_headers,
             body,
         );
-        // An id the ledger's column cannot hold (over 255 bytes, or a NUL)
-        // is not recorded: the answer still is.
-        let resource_id = res_parts
-            .extensions
-            .get::<ResourceId>()
-            .map(ResourceId::as_str)
-            .filter(|id| id.len() <= 255 && !id.contains('\0'));
-        let completion = Completion {
-            status,
-            response_status: i32::from(stored.status),
-            response_headers: &stored.headers,
-            response_body: &stored.body,
-            resource_id,
-        };
+        let completion = Completion::of(status, &stored, &res_parts.extensions);
         let committing = Instant::now();
         let finished = DB::finish(&self.pool, tx, &id.scope, &completion).await;
         observe::timing("commit_ms", committing.elapsed());

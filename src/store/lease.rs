@@ -279,6 +279,56 @@ impl Dialect {
     }
 }
 
+/// Ends a phase's transaction by the fenced write's outcome: commits when
+/// it matched (`Some(expires_at)`), rolls back when it did not or failed.
+pub(crate) async fn commit_if_written<DB: sqlx::Database>(
+    tx: sqlx::Transaction<'static, DB>,
+    written: Result<Option<i64>, sqlx::Error>,
+) -> Result<Option<i64>, super::FinishError> {
+    match written {
+        Ok(Some(expires_at)) => {
+            tx.commit().await?;
+            Ok(Some(expires_at))
+        }
+        Ok(None) => {
+            tx.rollback().await?;
+            Ok(None)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e.into())
+        }
+    }
+}
+
+/// Stamps out `Backend::list_leases` for a backend whose `DIALECT` is in
+/// scope.
+macro_rules! list_leases {
+    () => {
+        async fn list_leases(
+            pool: &sqlx::Pool<Self>,
+            operations: &[&str],
+            limit: i64,
+        ) -> Result<Vec<$crate::store::LeaseRecord>, sqlx::Error> {
+            use sqlx::FromRow as _;
+            if operations.is_empty() {
+                return Ok(Vec::new());
+            }
+            sqlx::raw_sql(sqlx::AssertSqlSafe(DIALECT.list(operations, limit)))
+                .fetch_all(pool)
+                .await?
+                .iter()
+                .map(|row| {
+                    $crate::store::lease::lease_from_row($crate::store::lease::LeaseRow::from_row(
+                        row,
+                    )?)
+                })
+                .collect()
+        }
+    };
+}
+pub(crate) use list_leases;
+
 /// Hex literal for SQLite and MySQL binary values.
 pub(crate) fn x_literal(value: &[u8]) -> String {
     format!("X'{}'", hex(value))

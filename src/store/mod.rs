@@ -268,6 +268,30 @@ pub struct Completion<'a> {
     pub resource_id: Option<&'a str>,
 }
 
+impl<'a> Completion<'a> {
+    /// The completion recording `stored` with `status`, naming the
+    /// resource the handler put in `extensions` (an id the ledger's column
+    /// cannot hold, over 255 bytes or with a NUL, is not recorded: the
+    /// answer still is).
+    pub(crate) fn of(
+        status: RecordStatus,
+        stored: &'a crate::replay::StoredResponse,
+        extensions: &'a http::Extensions,
+    ) -> Self {
+        let resource_id = extensions
+            .get::<crate::ResourceId>()
+            .map(crate::ResourceId::as_str)
+            .filter(|id| id.len() <= 255 && !id.contains('\0'));
+        Self {
+            status,
+            response_status: i32::from(stored.status),
+            response_headers: &stored.headers,
+            response_body: &stored.body,
+            resource_id,
+        }
+    }
+}
+
 /// A committed record whose outcome is unknown, as listed for operators.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnresolvedRecord {

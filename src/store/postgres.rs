@@ -7,13 +7,13 @@ use sqlx::pool::{MaybePoolConnection, PoolConnection};
 use sqlx::postgres::Postgres;
 use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
 
-use super::lease::{Dialect, LeaseRow, lease_from_row};
+use super::lease::Dialect;
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, FinishError, IsolationLevel, LeaseRecord, LeaseWrite,
-    Migration, Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
-    UnresolvedRecord, UnresolvedRow, generic_error_kind, migrations, record_from_row,
-    release_savepoint, run_migrations, unresolved_from_row,
+    Backend, Claim, ClaimOutcome, Completion, FinishError, IsolationLevel, LeaseWrite, Migration,
+    Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, UnresolvedRecord,
+    UnresolvedRow, generic_error_kind, migrations, record_from_row, release_savepoint,
+    run_migrations, unresolved_from_row,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).
@@ -331,21 +331,7 @@ impl Backend for Postgres {
         }
     }
 
-    async fn list_leases(
-        pool: &Pool<Self>,
-        operations: &[&str],
-        limit: i64,
-    ) -> Result<Vec<LeaseRecord>, sqlx::Error> {
-        if operations.is_empty() {
-            return Ok(Vec::new());
-        }
-        sqlx::raw_sql(AssertSqlSafe(DIALECT.list(operations, limit)))
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(|row| lease_from_row(LeaseRow::from_row(row)?))
-            .collect()
-    }
+    super::lease::list_leases!();
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {

@@ -2,13 +2,13 @@
 
 use sqlx::pool::{MaybePoolConnection, PoolConnection};
 use sqlx::sqlite::Sqlite;
-use sqlx::{AssertSqlSafe, FromRow, Pool, SqlSafeStr, Transaction};
+use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, Transaction};
 
-use super::lease::{Dialect, LeaseRow, lease_from_row, x_literal};
+use super::lease::{Dialect, commit_if_written, x_literal};
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, FinishError, IsolationLevel, LeaseRecord, LeaseWrite,
-    Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind,
-    migrations, release_savepoint, run_migrations, shared_statements,
+    Backend, Claim, ClaimOutcome, Completion, FinishError, IsolationLevel, LeaseWrite, Migration,
+    Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind, migrations,
+    release_savepoint, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
@@ -245,37 +245,10 @@ impl Backend for Sqlite {
         let written: Result<Option<i64>, _> = sqlx::query_scalar(AssertSqlSafe(sql))
             .fetch_optional(&mut *tx)
             .await;
-        match written {
-            Ok(Some(expires_at)) => {
-                tx.commit().await?;
-                Ok(Some(expires_at))
-            }
-            Ok(None) => {
-                tx.rollback().await?;
-                Ok(None)
-            }
-            Err(e) => {
-                let _ = tx.rollback().await;
-                Err(e.into())
-            }
-        }
+        commit_if_written(tx, written).await
     }
 
-    async fn list_leases(
-        pool: &Pool<Self>,
-        operations: &[&str],
-        limit: i64,
-    ) -> Result<Vec<LeaseRecord>, sqlx::Error> {
-        if operations.is_empty() {
-            return Ok(Vec::new());
-        }
-        sqlx::raw_sql(AssertSqlSafe(DIALECT.list(operations, limit)))
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(|row| lease_from_row(LeaseRow::from_row(row)?))
-            .collect()
-    }
+    super::lease::list_leases!();
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {

@@ -12,6 +12,7 @@ use super::{ConformanceDb, Harness, order, send};
 use crate::expiry::http_date;
 use crate::{IdempotencyLayer, Sweeper};
 
+pub use super::consumer::*;
 pub use super::lease::cases::*;
 pub use super::lease::review::*;
 

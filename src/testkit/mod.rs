@@ -44,6 +44,7 @@ use tower::ServiceExt;
 
 mod backends;
 pub mod cases;
+pub mod consumer;
 pub mod lease;
 pub mod relay;
 
@@ -513,6 +514,12 @@ macro_rules! conformance_suite {
             lease_concurrent_steps_keep_each_pending_mark,
             lease_step_key_differs_for_a_reused_key,
             lease_phase_commit_renews_the_lease_from_commit_time,
+            consumer_applies_once_and_skips_duplicates,
+            consumer_handler_error_then_redelivery_applies_once,
+            consumer_concurrent_deliveries_apply_once,
+            consumer_payload_mismatch_is_reported,
+            consumer_swept_ids_stay_duplicates,
+            consumer_as_a_tower_service_applies_once,
         );
     };
 }

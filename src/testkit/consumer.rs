@@ -1,0 +1,207 @@
+//! The message consumer's conformance cases: the processed-message row and
+//! the business write (an `orders` row) commit together, once per
+//! `(subscriber, message id)`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use super::{ConformanceDb, Harness};
+use crate::Sweeper;
+use crate::consumer::{ConsumeError, Consumer, Message, Processed};
+
+const PAYLOAD: &[u8] = br#"{"orderId":"o-1","sku":"sku-1","qty":2}"#;
+
+type Outcome = Result<Processed<i64>, ConsumeError<sqlx::Error>>;
+
+/// One delivery whose effect is one `orders` row; counts handler runs.
+async fn deliver<DB: ConformanceDb>(
+    consumer: &Consumer<DB>,
+    runs: &AtomicUsize,
+    id: &str,
+    payload: &[u8],
+) -> Outcome {
+    consumer
+        .process(id, payload, |tx| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let mut conn = tx.lock().expect("the transaction");
+            DB::insert_order(&mut conn, "consumer", 2).await
+        })
+        .await
+}
+
+/// Case: a first delivery applies once; a duplicate delivery skips the
+/// handler; the same payload spelled differently is the same payload.
+pub async fn consumer_applies_once_and_skips_duplicates<DB: ConformanceDb>(h: Harness<DB>) {
+    let consumer = Consumer::new(h.pool.clone(), "stock");
+    let runs = AtomicUsize::new(0);
+    let first = deliver(&consumer, &runs, "evt-1", PAYLOAD).await;
+    assert!(matches!(first, Ok(Processed::Applied(_))), "{first:?}");
+    let again = deliver(&consumer, &runs, "evt-1", PAYLOAD).await;
+    assert!(matches!(again, Ok(Processed::Duplicate)), "{again:?}");
+    let respelled = br#"{ "qty": 2, "sku": "sku-1", "orderId": "o-1" }"#;
+    let again = deliver(&consumer, &runs, "evt-1", respelled).await;
+    assert!(matches!(again, Ok(Processed::Duplicate)), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+    // Ids are per subscriber: another subscriber processes the same id.
+    let other = Consumer::new(h.pool.clone(), "billing");
+    let theirs = deliver(&other, &runs, "evt-1", PAYLOAD).await;
+    assert!(matches!(theirs, Ok(Processed::Applied(_))), "{theirs:?}");
+    assert_eq!(h.orders().await, 2);
+    // An empty id is refused before anything happens.
+    let empty = deliver(&consumer, &runs, "", PAYLOAD).await;
+    assert!(matches!(empty, Err(ConsumeError::InvalidId)), "{empty:?}");
+}
+
+/// Case: a handler error rolls back both the effect and the id, so the
+/// redelivery runs it again and applies once; a panic likewise.
+pub async fn consumer_handler_error_then_redelivery_applies_once<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let consumer = Consumer::new(h.pool.clone(), "stock");
+    let failed = consumer
+        .process("evt-1", PAYLOAD, |tx| async move {
+            let mut conn = tx.lock().expect("the transaction");
+            DB::insert_order(&mut conn, "consumer", 2).await?;
+            Err::<(), _>(sqlx::Error::Protocol(
+                "the handler failed after a write".into(),
+            ))
+        })
+        .await;
+    assert!(
+        matches!(failed, Err(ConsumeError::Handler(_))),
+        "{failed:?}"
+    );
+    h.assert_nothing_stored().await;
+    let panicked = {
+        let consumer = consumer.clone();
+        tokio::spawn(async move {
+            consumer
+                .process("evt-1", PAYLOAD, |tx| async move {
+                    let mut conn = tx.lock().expect("the transaction");
+                    let id = DB::insert_order(&mut conn, "consumer", 2).await?;
+                    if id > 0 {
+                        panic!("the handler panicked after a write");
+                    }
+                    Ok::<_, sqlx::Error>(())
+                })
+                .await
+        })
+        .await
+    };
+    assert!(panicked.is_err(), "the panic reaches the caller");
+    h.assert_nothing_stored().await;
+    let runs = AtomicUsize::new(0);
+    let redelivered = deliver(&consumer, &runs, "evt-1", PAYLOAD).await;
+    assert!(
+        matches!(redelivered, Ok(Processed::Applied(_))),
+        "{redelivered:?}"
+    );
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger().await, 1);
+}
+
+/// Case: 20 concurrent deliveries of one id apply once.
+pub async fn consumer_concurrent_deliveries_apply_once<DB: ConformanceDb>(h: Harness<DB>) {
+    let consumer = Consumer::new(h.pool.clone(), "stock").with_lock_wait(Duration::from_secs(20));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut deliveries = Vec::new();
+    for _ in 0..20 {
+        let (consumer, runs) = (consumer.clone(), Arc::clone(&runs));
+        deliveries.push(tokio::spawn(async move {
+            consumer
+                .process("evt-1", PAYLOAD, |tx| async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let mut conn = tx.lock().expect("the transaction");
+                    let id = DB::insert_order(&mut conn, "consumer", 2).await?;
+                    drop(conn);
+                    // Hold the claim a little, so the others pile up on it.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    Ok::<_, sqlx::Error>(id)
+                })
+                .await
+        }));
+    }
+    let (mut applied, mut duplicates) = (0, 0);
+    for d in deliveries {
+        match d.await.expect("no panic") {
+            Ok(Processed::Applied(_)) => applied += 1,
+            Ok(Processed::Duplicate) => duplicates += 1,
+            Err(e) => panic!("a delivery failed: {e}"),
+        }
+    }
+    assert_eq!((applied, duplicates), (1, 19));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the handler never ran twice"
+    );
+    assert_eq!(h.orders().await, 1);
+}
+
+/// Case: the same id with a different payload is reported, never applied;
+/// without the payload check it is a plain duplicate.
+pub async fn consumer_payload_mismatch_is_reported<DB: ConformanceDb>(h: Harness<DB>) {
+    let consumer = Consumer::new(h.pool.clone(), "stock");
+    let runs = AtomicUsize::new(0);
+    let first = deliver(&consumer, &runs, "evt-1", PAYLOAD).await;
+    assert!(matches!(first, Ok(Processed::Applied(_))), "{first:?}");
+    let changed = br#"{"orderId":"o-1","sku":"sku-1","qty":3}"#;
+    let mismatch = deliver(&consumer, &runs, "evt-1", changed).await;
+    match mismatch {
+        Err(ConsumeError::PayloadMismatch { message_id }) => assert_eq!(message_id, "evt-1"),
+        other => panic!("expected a payload mismatch, got {other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(h.orders().await, 1);
+    let unchecked = Consumer::new(h.pool.clone(), "audit").with_payload_check(false);
+    let a = deliver(&unchecked, &runs, "evt-1", PAYLOAD).await;
+    let b = deliver(&unchecked, &runs, "evt-1", changed).await;
+    assert!(matches!(a, Ok(Processed::Applied(_))), "{a:?}");
+    assert!(matches!(b, Ok(Processed::Duplicate)), "{b:?}");
+}
+
+/// Case: an id past its retention, tombstoned by the sweeper, is still a
+/// duplicate (never applied twice), until its tombstone is purged.
+pub async fn consumer_swept_ids_stay_duplicates<DB: ConformanceDb>(h: Harness<DB>) {
+    let consumer = Consumer::new(h.pool.clone(), "stock").with_retention(Duration::from_millis(1));
+    let runs = AtomicUsize::new(0);
+    let first = deliver(&consumer, &runs, "evt-1", PAYLOAD).await;
+    assert!(matches!(first, Ok(Processed::Applied(_))), "{first:?}");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let swept = Sweeper::new(h.pool.clone()).sweep().await.expect("sweep");
+    assert_eq!(h.ledger_with("EXPIRED").await, 1, "{swept:?}");
+    let late = deliver(&consumer, &runs, "evt-1", PAYLOAD).await;
+    assert!(matches!(late, Ok(Processed::Duplicate)), "{late:?}");
+    assert_eq!(h.orders().await, 1);
+}
+
+/// Case: the consumer as a tower service over messages: the inner service
+/// runs once per id, with the claimed transaction.
+pub async fn consumer_as_a_tower_service_applies_once<DB: ConformanceDb>(h: Harness<DB>) {
+    use tower::ServiceExt;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&runs);
+    let inner = tower::service_fn(move |(tx, message): (crate::Tx<DB>, Message)| {
+        let counted = Arc::clone(&counted);
+        async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let mut conn = tx.lock().expect("the transaction");
+            let amount = i64::try_from(message.payload.len()).unwrap_or_default();
+            DB::insert_order(&mut conn, "service", amount).await
+        }
+    });
+    let service = Consumer::new(h.pool.clone(), "stock").service(inner);
+    let message = Message {
+        id: "evt-1".into(),
+        payload: bytes::Bytes::from_static(PAYLOAD),
+    };
+    let first = service.clone().oneshot(message.clone()).await;
+    assert!(matches!(first, Ok(Processed::Applied(_))), "{first:?}");
+    let again = service.clone().oneshot(message).await;
+    assert!(matches!(again, Ok(Processed::Duplicate)), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(h.orders().await, 1);
+}
