@@ -429,6 +429,17 @@ impl<DB: StockDb> Worker<DB> {
                 say!("retry {id} {e}");
                 Verdict::Nak(UNRESOLVED_DELAY)
             }
+            // Anything else no redelivery can fix: poison, acked.
+            Err(e) if !e.redeliver() => {
+                let reason = e.to_string();
+                let poison = Poison {
+                    id: &delivery_id,
+                    message_id: Some(id),
+                    reason: &reason,
+                    payload,
+                };
+                self.record_poison(id, &poison).await
+            }
             // Handler, Store, InFlight, TransactionHeld: rolled back, retry.
             Err(e) => {
                 log!("stock_consumer: {id:?}: {e}; not acked, redelivered");

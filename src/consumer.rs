@@ -143,6 +143,19 @@ pub enum ConsumeError<E> {
     Store(sqlx::Error),
 }
 
+impl<E> ConsumeError<E> {
+    /// Whether a redelivery can succeed: `true` when nothing was committed
+    /// and the cause may pass (leave the message unacknowledged, or nak
+    /// it); `false` for [`PayloadMismatch`](Self::PayloadMismatch) and
+    /// [`InvalidId`](Self::InvalidId), which no redelivery fixes (record
+    /// the message as poison or dead-letter it, then acknowledge it). A
+    /// variant added later says which it is here, so a catch-all arm on
+    /// this method never retries forever by mistake.
+    pub fn redeliver(&self) -> bool {
+        !matches!(self, Self::PayloadMismatch { .. } | Self::InvalidId)
+    }
+}
+
 impl<E: std::fmt::Display> std::fmt::Display for ConsumeError<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -490,4 +503,28 @@ fn count(outcome: &'static str) {
     metrics::counter!("idempotency_messages_total", "outcome" => outcome).increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = outcome;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ConsumeError;
+
+    #[test]
+    fn only_what_a_redelivery_can_fix_is_redelivered() {
+        let fixed_by_redelivery: [ConsumeError<()>; 5] = [
+            ConsumeError::Handler(()),
+            ConsumeError::InFlight,
+            ConsumeError::Unresolved,
+            ConsumeError::TransactionHeld,
+            ConsumeError::Store(sqlx::Error::PoolTimedOut),
+        ];
+        assert!(fixed_by_redelivery.iter().all(ConsumeError::redeliver));
+        let never: [ConsumeError<()>; 2] = [
+            ConsumeError::PayloadMismatch {
+                message_id: "evt-1".into(),
+            },
+            ConsumeError::InvalidId,
+        ];
+        assert!(!never.iter().any(ConsumeError::redeliver));
+    }
 }

@@ -210,6 +210,16 @@
 //! unknown outcomes parked for reconciliation), and a retry after a crash
 //! resumes where the last attempt stopped. A [`Completer`](lease::Completer)
 //! finishes abandoned records with no client retry. See [`lease`].
+//!
+//! # The other halves
+//!
+//! - **Message consumers**: [`consumer::Consumer`] runs an at-least-once
+//!   consumer's handler on a transaction that claims the message id in the
+//!   same ledger, so a redelivery never applies twice and a failed message
+//!   is never marked processed. See [`consumer`].
+//! - **Clients** (feature `client`): `client::IdempotentRetryLayer` keeps
+//!   one key per logical request and retries it safely (bounded attempts,
+//!   deadline, `Retry-After`, a shared budget).
 
 #![deny(unreachable_pub, unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
