@@ -75,7 +75,8 @@ fn parse_args() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         if flag == "--help" || flag == "-h" {
-            return Err(HELP.to_string());
+            println!("{HELP}");
+            std::process::exit(0);
         }
         let value = it
             .next()
@@ -148,10 +149,10 @@ async fn main() -> ExitCode {
         }));
     }
     let (mut ok, mut attempts, mut replayed) = (0u32, 0u64, 0u32);
-    for task in tasks {
+    for (n, task) in tasks.into_iter().enumerate() {
         let line = task
             .await
-            .unwrap_or_else(|e| json!({"status": 0, "error": e.to_string()}));
+            .unwrap_or_else(|e| json!({"n": n, "status": 0, "error": e.to_string()}));
         let status = line["status"].as_u64().unwrap_or(0);
         ok += u32::from((200..300).contains(&status));
         attempts += line["attempts"].as_u64().unwrap_or(0);

@@ -382,3 +382,84 @@ async fn methods_not_guarded_pass_once_without_a_key() {
         (1, RetryStop::NotGuarded, None)
     );
 }
+
+// ---- review: failing cases ----
+
+/// A body that never yields a frame (a peer that stalls mid-body).
+struct Stuck;
+
+impl http_body::Body for Stuck {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Pending
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_huge_retry_after_does_not_panic() {
+    let (task, mut handle) = start(IdempotentRetryLayer::new(), post("{}"));
+    let (_, _, r) = next(&mut handle).await;
+    r.send_response(answer(503, &[("retry-after", "10000000000000000000")], ""));
+    let res = task.await.expect("the layer must not panic").unwrap();
+    assert_eq!(report(&res).stop, RetryStop::Deadline);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_409_body_that_never_ends_is_cut_at_the_deadline() {
+    let (service, mut handle) = mock::pair::<Request<RetryBody>, Response<Stuck>>();
+    let svc = IdempotentRetryLayer::new()
+        .with_deadline(Duration::from_secs(5))
+        .layer(service);
+    let task = tokio::spawn(async move { svc.oneshot(post("{}")).await });
+    let (_, r) = handle.next_request().await.unwrap();
+    r.send_response(
+        Response::builder()
+            .status(409)
+            .header("content-type", "application/problem+json")
+            .body(Stuck)
+            .unwrap(),
+    );
+    let out = tokio::time::timeout(Duration::from_secs(60), task).await;
+    assert!(
+        out.is_ok(),
+        "still reading the 409 body 60 s into a 5 s deadline"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_body_that_never_ends_is_cut_at_the_deadline() {
+    let (service, _handle) = mock::pair::<Request<RetryBody>, Response<Full<Bytes>>>();
+    let svc = IdempotentRetryLayer::new()
+        .with_deadline(Duration::from_secs(5))
+        .layer(service);
+    let req = Request::post("http://127.0.0.1/orders")
+        .body(Stuck)
+        .unwrap();
+    let task = tokio::spawn(async move { svc.oneshot(req).await });
+    let out = tokio::time::timeout(Duration::from_secs(60), task).await;
+    assert!(
+        out.is_ok(),
+        "still buffering the request body 60 s into a 5 s deadline"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_large_business_409_is_delivered_intact() {
+    let big = "x".repeat(100 * 1024);
+    // Not a problem document (not read), and one over the reading bound
+    // (read in part, then handed on whole).
+    for content_type in ["application/json", "application/problem+json"] {
+        let (task, mut handle) = start(IdempotentRetryLayer::new(), post("{}"));
+        let (_, _, r) = next(&mut handle).await;
+        r.send_response(answer(409, &[("content-type", content_type)], &big));
+        let res = task.await.unwrap().expect("the caller gets the 409 itself");
+        assert_eq!(res.status(), StatusCode::CONFLICT);
+        assert_eq!(report(&res).attempts, 1);
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], big.as_bytes(), "{content_type}");
+    }
+}

@@ -714,3 +714,30 @@ async fn sigterm_finishes_the_message_in_hand<DB: TestDb>() {
         .any(|l| l.starts_with(&format!("received {} ", events[0].id)));
     assert!(!again, "{}", w.logs());
 }
+
+/// Review: a message no redelivery can fix (PostgreSQL TEXT refuses NUL,
+/// so `insert_move` fails the same way on every delivery) must end as
+/// poison and be acked, not nak'ed every second forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_deterministic_handler_error_is_not_retried_forever() {
+    let mut w = World::<sqlx::Postgres>::new().await;
+    w.spawn(0).await;
+    w.publish_raw(
+        Some("evt-nul"),
+        r#"{"orderId":"o-\u0000","sku":"sku-a","qty":1}"#,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let info = w.consumer_info().await;
+    let retries = w.procs[0]
+        .lines()
+        .iter()
+        .filter(|l| l.starts_with("retry evt-nul"))
+        .count();
+    assert!(
+        info.num_ack_pending == 0 && retries < 3,
+        "ack pending {}, {retries} retries in 8 s\n{}",
+        info.num_ack_pending,
+        w.logs()
+    );
+}

@@ -57,7 +57,7 @@ use bytes::{Bytes, BytesMut};
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body::{Body, Frame};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use tower::retry::budget::{Budget, TpsBudget};
 use tower_layer::Layer;
 use tower_service::Service;
@@ -340,7 +340,12 @@ where
     RB::Error: Into<BoxError>,
 {
     let started = Instant::now();
-    let deadline = started + cfg.deadline;
+    // A deadline past what the clock can hold is "no deadline" (30 years).
+    let deadline = started
+        .checked_add(cfg.deadline)
+        .unwrap_or_else(|| started + Duration::from_secs(30 * 365 * 86_400));
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let cut = || -> BoxError { "the deadline passed".into() };
     let (mut parts, body) = req.into_parts();
     let mut report = RetryReport {
         attempts: 1,
@@ -353,9 +358,10 @@ where
     if !cfg.methods.contains(&parts.method) {
         report.stop = RetryStop::NotGuarded;
         let req = Request::from_parts(parts, boxed(body));
-        return match send(&mut inner, req).await {
-            Ok(res) => Ok(finish(res, report)),
-            Err(e) => Err(fail(report, e)),
+        return match tokio::time::timeout(left(), send(&mut inner, req)).await {
+            Ok(Ok(res)) => Ok(finish(res, report)),
+            Ok(Err(e)) => Err(fail(report, e)),
+            Err(_) => Err(fail(report, cut())),
         };
     }
     let key = match parts.headers.get(IDEMPOTENCY_KEY) {
@@ -381,31 +387,40 @@ where
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    let body = match buffer(declared, body, cfg.max_body).await {
+    let buffered = match tokio::time::timeout(left(), buffer(declared, body, cfg.max_body)).await {
+        Ok(buffered) => buffered,
+        Err(_) => {
+            report.stop = RetryStop::Deadline;
+            return Err(fail(report, cut()));
+        }
+    };
+    let body = match buffered {
         Ok(Buffered::Whole(bytes)) => bytes,
         Ok(Buffered::TooLarge(body)) => {
             report.stop = RetryStop::BodyTooLarge;
-            return match send(&mut inner, Request::from_parts(parts, body)).await {
-                Ok(res) => Ok(finish(res, report)),
-                Err(e) => Err(fail(report, e)),
+            let req = Request::from_parts(parts, body);
+            return match tokio::time::timeout(left(), send(&mut inner, req)).await {
+                Ok(Ok(res)) => Ok(finish(res, report)),
+                Ok(Err(e)) => Err(fail(report, e)),
+                Err(_) => Err(fail(report, cut())),
             };
         }
         Err(e) => return Err(fail(report, e)),
     };
     loop {
         let attempt = Request::from_parts(parts.clone(), boxed(Full::new(body.clone())));
-        let left = deadline.saturating_duration_since(Instant::now());
+        // The attempt and the reading of its answer, within the deadline.
         let sent = async {
             std::future::poll_fn(|cx| inner.poll_ready(cx))
                 .await
                 .map_err(Into::into)?;
             send(&mut inner, attempt).await
         };
-        let answer = match tokio::time::timeout(left, sent).await {
-            Ok(answer) => answer,
-            Err(_) => Err("the deadline passed during the attempt".into()),
+        let judged = async { judge(sent.await).await };
+        let (answer, verdict) = match tokio::time::timeout(left(), judged).await {
+            Ok(judged) => judged,
+            Err(_) => (Err(cut()), Verdict::Retry(None)),
         };
-        let (answer, verdict) = judge(answer).await;
         let Verdict::Retry(at_least) = verdict else {
             report.stop = RetryStop::Final;
             return deliver(answer, report);
@@ -416,7 +431,7 @@ where
         }
         let wait = policy::full_jitter(report.attempts, cfg.base, cfg.cap)
             .max(at_least.unwrap_or_default());
-        if Instant::now() + wait >= deadline {
+        if wait >= left() {
             report.stop = RetryStop::Deadline;
             return deliver(answer, report);
         }
@@ -448,7 +463,9 @@ where
     Box::pin(async move { call.await.map(|res| res.map(boxed)).map_err(Into::into) })
 }
 
-/// Judges one attempt; a `409` is read (bounded) to see its problem type.
+/// Judges one attempt. A `409` problem document is read (at most
+/// [`MAX_PROBLEM`] bytes) to see its type; any other body, and a larger
+/// one, is handed on as it came (what was read first, then the rest).
 async fn judge(
     answer: Result<Response<RetryBody>, BoxError>,
 ) -> (Result<Response<RetryBody>, BoxError>, Verdict) {
@@ -457,26 +474,22 @@ async fn judge(
         // No answer: the request may or may not have landed.
         Err(e) => return (Err(e), Verdict::Retry(None)),
     };
-    if res.status() != StatusCode::CONFLICT {
+    if res.status() != StatusCode::CONFLICT || !policy::is_problem(res.headers()) {
         let verdict = policy::by_status(res.status(), res.headers());
         return (Ok(res), verdict);
     }
     let (parts, body) = res.into_parts();
-    match Limited::new(body, MAX_PROBLEM).collect().await {
-        Ok(collected) => {
-            let bytes = collected.to_bytes();
-            let verdict = if policy::retryable_conflict(&parts.headers, &bytes) {
+    match read_up_to(body, MAX_PROBLEM).await {
+        Ok(read) => {
+            let verdict = if read.whole() && policy::retryable_conflict(&parts.headers, &read.data)
+            {
                 Verdict::Retry(policy::retry_after(&parts.headers))
             } else {
                 Verdict::Final
             };
-            (
-                Ok(Response::from_parts(parts, boxed(Full::new(bytes)))),
-                verdict,
-            )
+            (Ok(Response::from_parts(parts, read.into_body())), verdict)
         }
-        // A conflict too large to be a problem document, or one whose body
-        // failed: final, as far as it could be read.
+        // The body failed while being read: final, as an error.
         Err(e) => (Err(e), Verdict::Final),
     }
 }
@@ -524,6 +537,7 @@ enum Buffered {
 
 /// Reads the body up to `limit` bytes; a declared or actual larger body is
 /// handed back whole (what was read first, then the rest) to be sent once.
+/// Request trailers are not kept for re-sending.
 async fn buffer<B>(declared: Option<u64>, body: B, limit: usize) -> Result<Buffered, BoxError>
 where
     B: Body<Data = Bytes> + Send + 'static,
@@ -532,30 +546,74 @@ where
     if declared.is_some_and(|len| len > limit as u64) {
         return Ok(Buffered::TooLarge(boxed(body)));
     }
-    let mut body = boxed(body);
-    let mut read = BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        let frame = match frame {
-            Ok(frame) => frame,
-            Err(e) => return Err(e),
-        };
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        read.extend_from_slice(&data);
-        if read.len() > limit {
-            let prefix = Some(read.freeze());
-            return Ok(Buffered::TooLarge(RetryBody(
-                Chained { prefix, rest: body }.boxed_unsync(),
-            )));
-        }
+    let read = read_up_to(boxed(body), limit).await?;
+    if read.whole() {
+        Ok(Buffered::Whole(read.data.freeze()))
+    } else {
+        Ok(Buffered::TooLarge(read.into_body()))
     }
-    Ok(Buffered::Whole(read.freeze()))
+}
+
+/// The first frames of a body, up to a limit of data.
+struct Prefix {
+    /// The frames read, in order (data and trailers).
+    frames: std::collections::VecDeque<Frame<Bytes>>,
+    /// The data of those frames.
+    data: BytesMut,
+    /// Whether the body ended within the limit.
+    ended: bool,
+    limit: usize,
+    rest: RetryBody,
+}
+
+impl Prefix {
+    /// The body ended, and its data is within the limit.
+    fn whole(&self) -> bool {
+        self.ended && self.data.len() <= self.limit
+    }
+
+    /// The body as it came: the frames read, then the rest.
+    fn into_body(self) -> RetryBody {
+        RetryBody(
+            Chained {
+                head: self.frames,
+                rest: self.rest,
+            }
+            .boxed_unsync(),
+        )
+    }
+}
+
+/// Reads frames until the body ends or more than `limit` bytes of data came.
+async fn read_up_to(mut body: RetryBody, limit: usize) -> Result<Prefix, BoxError> {
+    let mut frames = std::collections::VecDeque::new();
+    let mut data = BytesMut::new();
+    let ended = loop {
+        let frame = match body.frame().await {
+            None => break true,
+            Some(Ok(frame)) => frame,
+            Some(Err(e)) => return Err(e),
+        };
+        if let Some(chunk) = frame.data_ref() {
+            data.extend_from_slice(chunk);
+        }
+        frames.push_back(frame);
+        if data.len() > limit {
+            break false;
+        }
+    };
+    Ok(Prefix {
+        frames,
+        data,
+        ended,
+        limit,
+        rest: body,
+    })
 }
 
 /// What was read of a body, then the rest of it.
 struct Chained {
-    prefix: Option<Bytes>,
+    head: std::collections::VecDeque<Frame<Bytes>>,
     rest: RetryBody,
 }
 
@@ -567,8 +625,8 @@ impl Body for Chained {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(prefix) = self.prefix.take() {
-            return Poll::Ready(Some(Ok(Frame::data(prefix))));
+        if let Some(frame) = self.head.pop_front() {
+            return Poll::Ready(Some(Ok(frame)));
         }
         Pin::new(&mut self.rest).poll_frame(cx)
     }

@@ -28,13 +28,17 @@ const RETRYABLE_CONFLICTS: [ProblemKind; 3] = [
     ProblemKind::LeaseLost,
 ];
 
-/// Whether a `409`'s problem document says "retry with the same key".
-pub(crate) fn retryable_conflict(headers: &HeaderMap, body: &[u8]) -> bool {
-    let is_problem = headers
+/// Whether the answer is a problem document (RFC 9457).
+pub(crate) fn is_problem(headers: &HeaderMap) -> bool {
+    headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/problem+json"));
-    if !is_problem {
+        .is_some_and(|v| v.starts_with("application/problem+json"))
+}
+
+/// Whether a `409`'s problem document says "retry with the same key".
+pub(crate) fn retryable_conflict(headers: &HeaderMap, body: &[u8]) -> bool {
+    if !is_problem(headers) {
         return false;
     }
     let Ok(doc) = serde_json::from_slice::<serde_json::Value>(body) else {

@@ -205,3 +205,45 @@ pub async fn consumer_as_a_tower_service_applies_once<DB: ConformanceDb>(h: Harn
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(h.orders().await, 1);
 }
+
+/// Case: `with_lock_wait` bounds the wait on a concurrent delivery of the
+/// same id on every store (SQLite's busy timeout and MySQL's whole-second
+/// lock waits included): `InFlight` in about the wait, not when the first
+/// delivery ends.
+pub async fn consumer_lock_wait_bounds_a_concurrent_delivery<DB: ConformanceDb>(h: Harness<DB>) {
+    let (claimed_tx, claimed_rx) = tokio::sync::oneshot::channel::<()>();
+    let first = {
+        let consumer = Consumer::new(h.pool.clone(), "stock");
+        tokio::spawn(async move {
+            consumer
+                .process("evt-1", PAYLOAD, |tx| async move {
+                    let mut conn = tx.lock().expect("the transaction");
+                    DB::insert_order(&mut conn, "consumer", 2).await?;
+                    drop(conn);
+                    let _ = claimed_tx.send(());
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    Ok::<_, sqlx::Error>(())
+                })
+                .await
+        })
+    };
+    claimed_rx.await.expect("the first delivery claimed the id");
+    let second = Consumer::new(h.pool.clone(), "stock").with_lock_wait(Duration::from_millis(200));
+    let runs = AtomicUsize::new(0);
+    let started = tokio::time::Instant::now();
+    let out = deliver(&second, &runs, "evt-1", PAYLOAD).await;
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_millis(1500) && matches!(out, Err(ConsumeError::InFlight)),
+        "with_lock_wait(200 ms) waited {waited:?} and returned {out:?}"
+    );
+    assert!(matches!(
+        first.await.expect("no panic"),
+        Ok(Processed::Applied(()))
+    ));
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    // The redelivery after the first committed is a duplicate.
+    let later = deliver(&second, &runs, "evt-1", PAYLOAD).await;
+    assert!(matches!(later, Ok(Processed::Duplicate)), "{later:?}");
+    assert_eq!(h.orders().await, 1);
+}

@@ -520,6 +520,7 @@ macro_rules! conformance_suite {
             consumer_payload_mismatch_is_reported,
             consumer_swept_ids_stay_duplicates,
             consumer_as_a_tower_service_applies_once,
+            consumer_lock_wait_bounds_a_concurrent_delivery,
         );
     };
 }
