@@ -231,10 +231,10 @@ impl<DB: Backend> Consumer<DB> {
     }
 
     /// The longest wait on a concurrent delivery of the same id (default
-    /// 10 s), after which [`ConsumeError::InFlight`].
+    /// 10 s, at most an hour), after which [`ConsumeError::InFlight`].
     #[must_use]
     pub fn with_lock_wait(mut self, wait: Duration) -> Self {
-        self.lock_wait = wait.max(Duration::from_millis(1));
+        self.lock_wait = wait.clamp(Duration::from_millis(1), Duration::from_secs(3600));
         self
     }
 
@@ -372,10 +372,18 @@ impl<DB: Backend> Consumer<DB> {
                 isolation: self.isolation,
             });
             // Its own task: a claim dropped mid-way could leave the
-            // connection inside a transaction (see `Backend::claim`).
-            let claimed = tokio::spawn(async move { DB::claim(conn, &owned.as_claim()).await })
-                .await
-                .map_err(|_| ConsumeError::Store(sqlx::Error::WorkerCrashed))?;
+            // connection inside a transaction (see `Backend::claim`). The
+            // wait for it is bounded here, whatever the store's own lock
+            // wait granularity (SQLite's busy timeout, MySQL's whole
+            // seconds): a claim still waiting is left to finish and roll
+            // back on its own.
+            let task = tokio::spawn(async move { DB::claim(conn, &owned.as_claim()).await });
+            let claimed = match tokio::time::timeout(left, task).await {
+                Ok(joined) => {
+                    joined.map_err(|_| ConsumeError::Store(sqlx::Error::WorkerCrashed))?
+                }
+                Err(_) => return Err(ConsumeError::InFlight),
+            };
             match claimed {
                 Ok(ClaimOutcome::Won(tx)) => return Ok(Some(tx)),
                 Ok(ClaimOutcome::Lost) => return Ok(None),
