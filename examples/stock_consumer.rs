@@ -75,6 +75,9 @@
 //! `poison_messages (id, message_id, reason, payload)` and acked, never
 //! redelivered forever; the raw payload is kept for an operator:
 //!
+//! - a message whose transaction failed on five deliveries in a row (a
+//!   value the database refuses, say): a failure that repeats is not
+//!   transient;
 //! - no `Message-Id` header (or an empty one, or one longer than 255 bytes);
 //! - a body that does not parse, a `qty` that is not a positive integer, an
 //!   empty or over-long `orderId`/`sku`, or a `sku` with no `stock` row;
@@ -158,6 +161,9 @@ fn parse_event(payload: &[u8]) -> Result<OrderCreated, String> {
     }
     if event.order_id.is_empty() || event.order_id.len() > 255 {
         return Err("orderId must be 1 to 255 bytes".into());
+    }
+    if event.order_id.contains('\0') || event.sku.contains('\0') {
+        return Err("orderId and sku must not contain NUL".into());
     }
     if event.sku.is_empty() || event.sku.len() > 64 {
         return Err("sku must be 1 to 64 bytes".into());
@@ -297,6 +303,10 @@ enum Handled {
     Applied,
     Poison(String),
 }
+
+/// A message that failed this many deliveries (rolled back each time) is
+/// recorded as poison and acked: a failure that repeats is not transient.
+const MAX_DELIVERIES: i64 = 5;
 
 /// What to tell JetStream about a delivery.
 enum Verdict {
@@ -440,6 +450,18 @@ impl<DB: StockDb> Worker<DB> {
                 };
                 self.record_poison(id, &poison).await
             }
+            // Failing the same way delivery after delivery (a value the
+            // database refuses, say): poison, not a retry forever.
+            Err(e) if delivered >= MAX_DELIVERIES => {
+                let reason = format!("failed {delivered} deliveries, the last: {e}");
+                let poison = Poison {
+                    id: &delivery_id,
+                    message_id: Some(id),
+                    reason: &reason,
+                    payload,
+                };
+                self.record_poison(id, &poison).await
+            }
             // Handler, Store, InFlight, TransactionHeld: rolled back, retry.
             Err(e) => {
                 log!("stock_consumer: {id:?}: {e}; not acked, redelivered");
@@ -500,6 +522,13 @@ fn message_id(msg: &Message) -> Option<&str> {
 }
 
 /// The next message of a batch.
+/// Naks, for immediate redelivery, what was fetched and is already here.
+async fn hand_back(batch: &mut pull::Batch) {
+    while let Ok(Some(Ok(msg))) = tokio::time::timeout(Duration::ZERO, next_message(batch)).await {
+        settle(&msg, Verdict::Nak(Duration::ZERO)).await;
+    }
+}
+
 async fn next_message(batch: &mut pull::Batch) -> Option<Result<Message, async_nats::Error>> {
     std::future::poll_fn(|cx| futures_core::Stream::poll_next(Pin::new(&mut *batch), cx)).await
 }
@@ -545,7 +574,7 @@ async fn settle(msg: &Message, verdict: Verdict) {
 async fn subscribe(
     js: &jetstream::Context,
     args: &Args,
-) -> Result<(PullConsumer, String), BoxError> {
+) -> Result<(PullConsumer, String, Duration), BoxError> {
     let mut last = None;
     for _ in 0..2 {
         let stream = match js
@@ -588,7 +617,7 @@ async fn subscribe(
                         args.durable
                     );
                 }
-                return Ok((consumer, stream_key));
+                return Ok((consumer, stream_key, existing));
             }
             Err(e) => {
                 last = Some(e.into());
@@ -607,7 +636,9 @@ async fn run<DB: StockDb>(pool: Pool<DB>, args: &Args, store: &str) -> Result<()
         .await
         .map_err(|_| format!("{}: no answer within 10 s", args.nats))??;
     let js = jetstream::new(client.clone());
-    let (consumer, stream_key) = subscribe(&js, args).await?;
+    // Progress acks follow the durable's own ack_wait, which an existing
+    // durable keeps whatever --ack-wait-ms says.
+    let (consumer, stream_key, ack_wait) = subscribe(&js, args).await?;
     let worker = Worker {
         consumer: Consumer::new(pool.clone(), args.durable.as_str()),
         pool: pool.clone(),
@@ -637,8 +668,14 @@ async fn run<DB: StockDb>(pool: Pool<DB>, args: &Args, store: &str) -> Result<()
         };
         loop {
             let next = tokio::select! {
+                // A message already here is taken before the stop is seen;
+                // the stop then hands back the rest of the batch below.
+                biased;
                 next = next_message(&mut batch) => next,
-                _ = stop.changed() => break 'pull,
+                _ = stop.changed() => {
+                    hand_back(&mut batch).await;
+                    break 'pull;
+                }
             };
             match next {
                 None => break,
@@ -648,17 +685,12 @@ async fn run<DB: StockDb>(pool: Pool<DB>, args: &Args, store: &str) -> Result<()
                 }
                 Some(Ok(msg)) => {
                     // Not interrupted by SIGTERM: the message in hand finishes.
-                    let verdict = handle_with_progress(&worker, &msg, args.ack_wait).await;
+                    let verdict = handle_with_progress(&worker, &msg, ack_wait).await;
                     settle(&msg, verdict).await;
                 }
             }
             if *stop.borrow() {
-                // Hand back what was fetched and is already here.
-                while let Ok(Some(Ok(msg))) =
-                    tokio::time::timeout(Duration::ZERO, next_message(&mut batch)).await
-                {
-                    settle(&msg, Verdict::Nak(Duration::ZERO)).await;
-                }
+                hand_back(&mut batch).await;
                 break 'pull;
             }
         }

@@ -741,3 +741,48 @@ async fn postgres_a_deterministic_handler_error_is_not_retried_forever() {
         w.logs()
     );
 }
+
+/// A transaction that fails the same way on every delivery (here a CHECK
+/// constraint the decrement violates) is recorded as poison after a few
+/// deliveries and acked, not retried forever; nothing of it is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_repeated_failure_becomes_poison_after_a_few_deliveries() {
+    let mut w = World::<sqlx::Postgres>::new().await;
+    w.spawn(0).await;
+    sqlx::raw_sql("ALTER TABLE stock ADD CONSTRAINT stock_never_negative CHECK (qty >= 0)")
+        .execute(w.pool())
+        .await
+        .unwrap();
+    w.publish_raw(
+        Some("evt-too-many"),
+        r#"{"orderId":"o-big","sku":"sku-a","qty":100000}"#,
+    )
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let poison = w
+            .count(
+                "SELECT COUNT(*) FROM poison_messages WHERE reason LIKE 'failed 5 deliveries%'"
+                    .into(),
+            )
+            .await;
+        if poison == 1 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no poison row\n{}",
+            w.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let info = w.consumer_info().await;
+    assert_eq!(info.num_ack_pending, 0, "acked\n{}", w.logs());
+    assert_eq!(info.num_pending, 0);
+    assert_eq!(
+        <sqlx::Postgres as TestDb>::stock(w.pool(), "sku-a").await,
+        INITIAL_STOCK
+    );
+    assert_eq!(w.count("SELECT COUNT(*) FROM stock_moves".into()).await, 0);
+}
