@@ -206,29 +206,80 @@ pub(crate) fn http_date(epoch_ms: i64) -> String {
     )
 }
 
-/// Parses an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`, the form every
-/// HTTP/1.1 sender must use) into epoch milliseconds; `None` otherwise.
+/// Parses an HTTP-date (RFC 9110 §5.6.7) into epoch milliseconds: the
+/// IMF-fixdate every sender must use (`Sun, 06 Nov 1994 08:49:37 GMT`), and
+/// the two obsolete forms a recipient must accept, RFC 850
+/// (`Sunday, 06-Nov-94 08:49:37 GMT`) and asctime
+/// (`Sun Nov  6 08:49:37 1994`); `None` otherwise.
 #[cfg_attr(not(feature = "client"), allow(dead_code))]
 pub(crate) fn parse_http_date(s: &str) -> Option<i64> {
+    let (day, month, year, time) = if let Some(rest) = s.strip_suffix(" GMT") {
+        let (_, date) = rest.split_once(", ")?;
+        let mut parts = date.split(' ');
+        let first = parts.next()?;
+        if !first.contains('-') {
+            // IMF-fixdate: `06 Nov 1994 08:49:37`.
+            let (month, year, time) = (parts.next()?, parts.next()?, parts.next()?);
+            if parts.next().is_some() || first.len() != 2 || year.len() != 4 {
+                return None;
+            }
+            (first, month, digits(year)?, time)
+        } else {
+            // RFC 850: `06-Nov-94 08:49:37`, a two-digit year.
+            let time = parts.next()?;
+            let mut dmy = first.split('-');
+            let (day, month, yy) = (dmy.next()?, dmy.next()?, dmy.next()?);
+            if parts.next().is_some() || dmy.next().is_some() || yy.len() != 2 || day.len() != 2 {
+                return None;
+            }
+            let yy = digits(yy)?;
+            // RFC 9110: a year more than 50 years ahead is in the past;
+            // from here, 70 and later are the 1900s.
+            let year = if yy >= 70 { 1900 + yy } else { 2000 + yy };
+            (day, month, year, time)
+        }
+    } else {
+        // asctime: `Sun Nov  6 08:49:37 1994`.
+        let mut parts = s.split_whitespace();
+        let (_, month, day, time, year) = (
+            parts.next()?,
+            parts.next()?,
+            parts.next()?,
+            parts.next()?,
+            parts.next()?,
+        );
+        if parts.next().is_some() || year.len() != 4 || day.is_empty() || day.len() > 2 {
+            return None;
+        }
+        (day, month, digits(year)?, time)
+    };
+    civil_ms(digits(day)?, month, year, time)
+}
+
+/// A run of ASCII digits as a number.
+fn digits(t: &str) -> Option<i64> {
+    if t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    t.parse().ok()
+}
+
+/// Epoch milliseconds of a civil date and `HH:MM:SS` time, UTC.
+fn civil_ms(day: i64, month: &str, year: i64, time: &str) -> Option<i64> {
     const MONTHS: [&str; 12] = [
         "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
     ];
-    let rest = s.get(5..)?.strip_suffix(" GMT")?;
-    let mut parts = rest.split(' ');
-    let (day, month, year, time) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    if parts.next().is_some() || day.len() != 2 || year.len() != 4 || time.len() != 8 {
+    let month = i64::try_from(MONTHS.iter().position(|m| *m == month)? + 1).ok()?;
+    if time.len() != 8 {
         return None;
     }
-    let num = |t: &str| -> Option<i64> {
-        t.bytes()
-            .all(|b| b.is_ascii_digit())
-            .then(|| t.parse().ok())?
-    };
-    let (day, year) = (num(day)?, num(year)?);
-    let month = i64::try_from(MONTHS.iter().position(|m| *m == month)? + 1).ok()?;
     let mut hms = time.split(':');
-    let (h, m, sec) = (num(hms.next()?)?, num(hms.next()?)?, num(hms.next()?)?);
-    if !(1..=31).contains(&day) || h > 23 || m > 59 || sec > 60 {
+    let (h, m, sec) = (
+        digits(hms.next()?)?,
+        digits(hms.next()?)?,
+        digits(hms.next()?)?,
+    );
+    if hms.next().is_some() || !(1..=31).contains(&day) || h > 23 || m > 59 || sec > 60 {
         return None;
     }
     // Days since 1970-01-01 from a civil date (H. Hinnant's algorithm).
@@ -251,7 +302,16 @@ mod tests {
         for ms in [0, 784_111_777_000, 1_795_963_187_000, 951_782_400_000] {
             assert_eq!(parse_http_date(&http_date(ms)), Some(ms));
         }
-        assert_eq!(parse_http_date("Sunday, 06-Nov-94 08:49:37 GMT"), None);
+        // The obsolete forms a recipient must accept.
+        assert_eq!(
+            parse_http_date("Sunday, 06-Nov-94 08:49:37 GMT"),
+            Some(784_111_777_000)
+        );
+        assert_eq!(
+            parse_http_date("Sun Nov  6 08:49:37 1994"),
+            Some(784_111_777_000)
+        );
+        assert_eq!(parse_http_date("Sunday, 06-Nov-1994 08:49:37 GMT"), None);
         assert_eq!(parse_http_date("Sun, 06 Nov 1994 08:49:37"), None);
         assert_eq!(parse_http_date("Sun, 06 Foo 1994 08:49:37 GMT"), None);
         assert_eq!(parse_http_date("Sun, +6 Nov 1994 08:49:37 GMT"), None);

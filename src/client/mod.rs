@@ -15,7 +15,7 @@
 //! |---|---|
 //! | connection error, or the attempt's own timeout (the request may have landed: exactly when the key matters) | yes |
 //! | `409` whose problem `type` is `#in-flight`, `#unconfirmed` or `#lease-lost` (this crate's server layer) | yes, honouring `Retry-After` |
-//! | `429`, `502`, `503`, `504` | yes, honouring `Retry-After` (seconds or HTTP-date) |
+//! | `429`, `502`, `503`, `504` | yes, honouring `Retry-After` (seconds, or an HTTP-date in any of its three forms) |
 //! | `422` key reused, `410` expired, any other `409` (a business conflict: told apart by the problem `type`, not the status), other 4xx, `500`, 2xx, 3xx | no: final |
 //!
 //! Waits are exponential backoff with full jitter, at least the server's
