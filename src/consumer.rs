@@ -239,7 +239,9 @@ impl<DB: Backend> Consumer<DB> {
     }
 
     /// Whether a payload is fingerprinted and compared under its id
-    /// (default `true`).
+    /// (default `true`). Choose once per subscriber: ids recorded with the
+    /// other setting compare as mismatches (turning the check on) or skip
+    /// the comparison (turning it off) until their retention ends.
     #[must_use]
     pub fn with_payload_check(mut self, check: bool) -> Self {
         self.check_payload = check;
