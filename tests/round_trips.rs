@@ -166,3 +166,68 @@ async fn mysql_first_execution_costs_two_round_trips_more() {
     // Begin, the insert that meets the row, its rollback, the read.
     assert!(replay <= bare + 1.1, "a replay: {replay}");
 }
+
+/// The message consumer pays what the HTTP layer pays: a first delivery
+/// costs the bare transaction's round trips on PostgreSQL (the claim rides
+/// with `BEGIN`, the processed-message row with `COMMIT`); a duplicate one
+/// more (the insert that meets the row, then the read that compares the
+/// payload, each on a connection taken from the pool; duplicates are the
+/// rare case, so the claim goes first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_first_delivery_costs_the_bare_round_trips() {
+    use tower_idempotency::consumer::{Consumer, Processed};
+    let (url, _drop) = <sqlx::Postgres as ConformanceDb>::fresh_url().await;
+    let direct = sqlx::PgPool::connect(&url).await.unwrap();
+    tower_idempotency::migrate(&direct).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE s (k INT PRIMARY KEY, n INT); INSERT INTO s VALUES (1, 1000000);")
+        .execute(&direct)
+        .await
+        .unwrap();
+    direct.close().await;
+    let relay = Relay::start(upstream(&url), Duration::ZERO);
+    let pool = sqlx::pool::PoolOptions::<sqlx::Postgres>::new()
+        .max_connections(1)
+        .connect(&via(&url, &relay))
+        .await
+        .unwrap();
+    let consumer = Consumer::new(pool.clone(), "stock");
+    const UPDATE: &str = "UPDATE s SET n = n - 1 WHERE k = 1";
+    let deliver = |id: String| {
+        let consumer = consumer.clone();
+        async move {
+            consumer
+                .process(&id, br#"{"qty":1}"#, |tx| async move {
+                    let mut conn = tx.lock().unwrap();
+                    sqlx::raw_sql(UPDATE).execute(&mut *conn).await.map(drop)
+                })
+                .await
+                .unwrap()
+        }
+    };
+    const N: u64 = 20;
+    let settle = || tokio::time::sleep(Duration::from_millis(50));
+    deliver("warm".into()).await;
+    settle().await;
+    let mut counts = Vec::new();
+    for scenario in ["bare", "first", "duplicate"] {
+        let before = relay.round_trips();
+        for i in 0..N {
+            match scenario {
+                "bare" => {
+                    let mut tx = pool.begin().await.unwrap();
+                    sqlx::raw_sql(UPDATE).execute(&mut *tx).await.unwrap();
+                    tx.commit().await.unwrap();
+                }
+                "first" => assert_eq!(deliver(format!("evt-{i}")).await, Processed::Applied(())),
+                _ => assert_eq!(deliver("evt-0".into()).await, Processed::Duplicate),
+            }
+            settle().await;
+        }
+        let per = (relay.round_trips() - before) as f64 / N as f64;
+        println!("[postgres] consumer {scenario}: {per:.2} round trips per delivery");
+        counts.push(per);
+    }
+    let (bare, first, duplicate) = (counts[0], counts[1], counts[2]);
+    assert_eq!(first, bare, "a first delivery costs the bare round trips");
+    assert!(duplicate <= bare + 1.0, "a duplicate: {duplicate} > {bare} + 1");
+}
