@@ -236,3 +236,50 @@ async fn commit_still_running_answers_409_and_the_retry_replays() {
     assert_eq!(h.executions(), 1);
     assert_eq!(h.orders().await, 1);
 }
+
+/// Lease mode's final commit shares the check: the answer's `COMMIT` lands
+/// unheard (after an earlier attempt committed phase 1 and failed at the
+/// provider), the server's transaction status says committed, and the
+/// client gets the success, once, with one charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_mode_final_commit_that_landed_unheard_answers_the_success() {
+    use tower_idempotency::lease::LeaseMode;
+    use tower_idempotency::testkit::lease::{Fault, payment};
+    logs();
+    let (h, relay) = through_relay(Harness::<sqlx::Postgres>::new().await).await;
+    let app = h
+        .pay_app(
+            LeaseMode::new(Duration::from_secs(30)),
+            Duration::from_secs(2),
+        )
+        .await;
+    // Phase 1 commits; the provider fails before charging; the lease ends.
+    app.state.provider.fault(Fault::FailBefore);
+    let failed = send(&app.router, payment("pay-unheard", r#"{"amount":5000}"#)).await;
+    assert_eq!(
+        failed.status,
+        http::StatusCode::SERVICE_UNAVAILABLE,
+        "{failed:?}"
+    );
+    // The retry resumes: no phase 1, the charge, then the final phase,
+    // whose COMMIT is the next one on the wire.
+    relay.cut_next_commit(Cut::BeforeCommitAck);
+    let first = send(&app.router, payment("pay-unheard", r#"{"amount":5000}"#)).await;
+    assert!(
+        !relay.cut_pending(),
+        "the relay cut the final COMMIT's answer"
+    );
+    assert_eq!(first.status, http::StatusCode::CREATED, "{first:?}");
+    assert!(
+        decided_by_xact_status("committed"),
+        "the server's transaction status decided:\n{}",
+        warnings()
+    );
+    assert_eq!(succeeded(&h).await, 1);
+    assert_eq!(h.captured().await, 1);
+    assert_eq!(app.state.provider.charges(), 1);
+    let retry = send(&app.router, payment("pay-unheard", r#"{"amount":5000}"#)).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(app.state.provider.charges(), 1);
+}

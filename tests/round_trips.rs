@@ -229,5 +229,8 @@ async fn postgres_a_first_delivery_costs_the_bare_round_trips() {
     }
     let (bare, first, duplicate) = (counts[0], counts[1], counts[2]);
     assert_eq!(first, bare, "a first delivery costs the bare round trips");
-    assert!(duplicate <= bare + 1.0, "a duplicate: {duplicate} > {bare} + 1");
+    assert!(
+        duplicate <= bare + 1.0,
+        "a duplicate: {duplicate} > {bare} + 1"
+    );
 }
