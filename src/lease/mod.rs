@@ -65,7 +65,9 @@
 //!   pass takes them over (`PROCESSING` again while it works, so retries
 //!   meanwhile get `409`) and retries `recover`: `Done` finishes the record,
 //!   a proven `Absent` lets the step run again (with the same step key,
-//!   which the provider deduplicates on), `Unknown` parks it again.
+//!   which the provider deduplicates on), `Unknown` parks it again. A
+//!   record parked by a step without a look-up is left to the operator
+//!   (completers do not list it).
 //! - **Completer.** [`Completer`] finds records whose lease lapsed with no
 //!   client retry, takes them over with the same fencing and drives them to
 //!   completion through a resume function registered per operation.

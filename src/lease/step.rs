@@ -220,7 +220,7 @@ impl<DB: Backend> Leased<DB> {
                     pending = other,
                     "a step began while another step's outcome is unknown"
                 );
-                return Err(self.park(other).await.into());
+                return Err(self.park(other, true).await.into());
             }
             _ => {}
         }
@@ -228,7 +228,7 @@ impl<DB: Backend> Leased<DB> {
             match self.recover(&key, recover.as_ref()).await {
                 Recovered::Done(result) => return self.finish_step(name, result).await,
                 Recovered::Absent => {}
-                Recovered::Unknown => return Err(self.park(name).await.into()),
+                Recovered::Unknown => return Err(self.park(name, recover.is_some()).await.into()),
             }
         }
         self.write(&LeaseWrite::Pending {
@@ -257,7 +257,7 @@ impl<DB: Backend> Leased<DB> {
                 self.save(None, None).await?;
                 Err(failure)
             }
-            Recovered::Unknown => Err(self.park(name).await.into()),
+            Recovered::Unknown => Err(self.park(name, recover.is_some()).await.into()),
         }
     }
 
@@ -285,12 +285,13 @@ impl<DB: Backend> Leased<DB> {
     }
 
     /// Parks the record as `NEEDS_RECONCILIATION`; the error to stop with.
-    async fn park(&self, step: &str) -> LeaseError {
+    /// `recoverable`: a completer may retry the step's look-up.
+    async fn park(&self, step: &str, recoverable: bool) -> LeaseError {
         tracing::error!(
             step,
             "the outcome of an external step is unknown; the key is parked for reconciliation"
         );
-        let parked = self.write(&LeaseWrite::Park).await;
+        let parked = self.write(&LeaseWrite::Park { recoverable }).await;
         // Whether or not the park was heard back, this attempt stops here:
         // a later one finds the step pending (or parked) and recovers first.
         self.state().parked = true;

@@ -26,7 +26,7 @@ pub(crate) struct Dialect {
 /// A fenced write on a leased row. The owner's writes match only while the
 /// row is `PROCESSING` at the writer's generation; an operator's verdicts
 /// ([`Rerun`](Self::Rerun), [`Resolve`](Self::Resolve)) only while it is
-/// `NEEDS_RECONCILIATION` and not leased.
+/// `NEEDS_RECONCILIATION`.
 #[derive(Debug, Clone, Copy)]
 pub enum LeaseWrite<'a> {
     /// Extends the lease to `lease_ms` from now.
@@ -58,7 +58,12 @@ pub enum LeaseWrite<'a> {
     Release,
     /// Parks the row as `NEEDS_RECONCILIATION` (its pending step kept, to
     /// tell which outcome is unknown); it is never resumed on its own.
-    Park,
+    Park {
+        /// Whether a completer pass may retry the step's look-up; a step
+        /// without one is left to an operator (the row is not listed for
+        /// completers at all).
+        recoverable: bool,
+    },
     /// An operator's verdict on a parked row: the pending step had no
     /// effect. The row is `PROCESSING` again with its lease ended and no
     /// pending step, so the next attempt resumes and runs the step.
@@ -104,6 +109,9 @@ pub(crate) fn lease_from_row(row: LeaseRow) -> Result<LeaseRecord, sqlx::Error> 
         generation,
     })
 }
+
+/// The `locked_until` of a parked row no completer can help: never.
+const NEVER: &str = "9223372036854775807";
 
 /// An attempt writes only while the row is `PROCESSING`: parked or settled
 /// rows take no owner writes.
@@ -199,12 +207,11 @@ impl Dialect {
             // rows over (and give them back) between an operator's listing
             // and their verdict, and the status alone tells the first
             // resolution from a second.
-            LeaseWrite::Rerun | LeaseWrite::Resolve(_) => format!(
-                "{} AND status = 'NEEDS_RECONCILIATION' \
-                 AND (locked_until IS NULL OR locked_until <= {})",
-                self.scope(scope),
-                self.now
-            ),
+            // A completer pass turns the row `PROCESSING` while it works,
+            // so the status alone says no pass holds it.
+            LeaseWrite::Rerun | LeaseWrite::Resolve(_) => {
+                format!("{} AND status = 'NEEDS_RECONCILIATION'", self.scope(scope))
+            }
             _ => self.fenced(scope, generation),
         };
         let set = match write {
@@ -233,7 +240,12 @@ impl Dialect {
                 "status = 'PROCESSING', locked_until = {}, pending_step = NULL",
                 self.now
             ),
-            LeaseWrite::Park => "status = 'NEEDS_RECONCILIATION', locked_until = NULL".to_string(),
+            // A row no completer can help is held out of their listing by
+            // a lease that never ends (operators resolve it by status).
+            LeaseWrite::Park { recoverable } => format!(
+                "status = 'NEEDS_RECONCILIATION', locked_until = {}",
+                if *recoverable { "NULL" } else { NEVER }
+            ),
             LeaseWrite::Complete(c) | LeaseWrite::Resolve(c) => format!(
                 "status = '{}', response_status = {}, response_headers = {}, \
                  response_body = {}, resource_id = {}, locked_until = NULL, pending_step = NULL",

@@ -588,8 +588,8 @@ pub trait Backend: Database {
 
     /// At most `limit` leased rows of `operations` a completer may take
     /// over, the oldest lease first: `PROCESSING` with a lapsed lease, and
-    /// `NEEDS_RECONCILIATION` with a pending step (whose outcome a
-    /// completer may still recover) not leased.
+    /// `NEEDS_RECONCILIATION` with a pending step whose outcome a completer
+    /// may still recover (parked as recoverable, not held by a pass).
     fn list_leases(
         pool: &Pool<Self>,
         operations: &[&str],

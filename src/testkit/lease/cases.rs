@@ -373,6 +373,21 @@ pub async fn lease_step_without_lookup_parks_an_uncertain_outcome<DB: Conformanc
     assert_eq!(b.problem(), "reconciling");
     assert_eq!(app.state.provider.posts(), 1);
     assert_eq!(h.captured().await, 0);
+    // No completer can prove its outcome: passes leave it to an operator
+    // (not even listed, so no takeover after takeover).
+    let pass = app.completer(&h).run_once().await.expect("pass");
+    assert_eq!(pass.found, 0, "{pass:?}");
+    assert_eq!(generation(&h).await, 1);
+    // An operator resolves it by its status.
+    let reconciler = Reconciler::new(h.pool.clone());
+    let parked = reconciler.unresolved(10).await.expect("list");
+    assert_eq!(parked.len(), 1, "{parked:?}");
+    assert!(
+        reconciler
+            .resolve(&parked[0], Resolution::Rerun)
+            .await
+            .expect("resolve")
+    );
     // The sweeper never touches it.
     crate::Sweeper::new(h.pool.clone())
         .sweep_at(std::time::SystemTime::now() + Duration::from_secs(100 * 365 * 86_400))

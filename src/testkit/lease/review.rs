@@ -153,14 +153,16 @@ pub async fn lease_completer_pass_does_not_void_an_operator_resolution<DB: Confo
     let app = h
         .pay_app(LeaseMode::new(Duration::from_secs(30)), WAIT)
         .await;
+    // Parked with its look-up down: a completer pass may retry it.
     app.state.provider.fault(Fault::ChargeThenDrop);
-    let body = r#"{"amount":5000,"no_lookup":true}"#;
-    let a = send(&app.router, payment("pay-1", body)).await;
+    app.state.provider.lookup_down(true);
+    let a = send(&app.router, payment("pay-1", PAY)).await;
     assert_eq!(a.problem(), "reconciling", "{a:?}");
     let reconciler = Reconciler::new(h.pool.clone());
     let parked = reconciler.unresolved(10).await.expect("list");
     assert_eq!(parked.len(), 1);
-    // A completer pass meanwhile: a step with no look-up can only re-park.
+    // A completer pass meanwhile: the look-up is still down, so it parks
+    // the record again, one generation later.
     let pass = app.completer(&h).run_once().await.expect("pass");
     assert_eq!(pass.parked, 1, "{pass:?}");
     let answer = http::Response::builder()
