@@ -19,6 +19,22 @@ async fn generation<DB: ConformanceDb>(h: &Harness<DB>) -> i64 {
     DB::count(&h.pool, "SELECT MAX(generation) FROM idempotency_records").await
 }
 
+/// The provider charges and hangs; the attempt is dropped (the client went
+/// away) mid-charge, which ends its lease at once.
+async fn abandon_mid_charge<DB: ConformanceDb>(app: &super::PayApp<DB>) {
+    app.state
+        .provider
+        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
+    let cut = tokio::time::timeout(
+        Duration::from_millis(500),
+        send(&app.router, payment("pay-1", PAY)),
+    )
+    .await;
+    assert!(cut.is_err(), "the attempt was dropped mid-charge");
+    // Let the dropped attempt's release land.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+}
+
 /// Case: a first payment charges once, commits every phase and replays.
 pub async fn lease_first_payment_charges_once_and_replays<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
@@ -48,18 +64,8 @@ pub async fn lease_charge_then_dropped_attempt_resumes_without_a_second_charge<
     h: Harness<DB>,
 ) {
     let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
-    app.state
-        .provider
-        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
-    let cut = tokio::time::timeout(
-        Duration::from_millis(500),
-        send(&app.router, payment("pay-1", PAY)),
-    )
-    .await;
-    assert!(cut.is_err(), "the attempt was dropped mid-charge");
+    abandon_mid_charge(&app).await;
     assert_eq!(app.state.provider.charges(), 1);
-    // The dropped attempt ended its lease: no wait for it to lapse.
-    tokio::time::sleep(Duration::from_millis(200)).await;
     let retry = send(&app.router, payment("pay-1", PAY)).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
     assert_eq!(app.state.provider.charges(), 1);
@@ -134,17 +140,8 @@ pub async fn lease_unknown_outcome_parks_until_an_operator_resolves_it<DB: Confo
     h: Harness<DB>,
 ) {
     let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
-    app.state
-        .provider
-        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
     app.state.provider.lookup_down(true);
-    let cut = tokio::time::timeout(
-        Duration::from_millis(500),
-        send(&app.router, payment("pay-1", PAY)),
-    )
-    .await;
-    assert!(cut.is_err());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    abandon_mid_charge(&app).await;
     for _ in 0..2 {
         let r = send(&app.router, payment("pay-1", PAY)).await;
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{r:?}");
@@ -179,17 +176,8 @@ pub async fn lease_unknown_outcome_parks_until_an_operator_resolves_it<DB: Confo
 /// back, and finishes it without charging again.
 pub async fn lease_completer_recovers_a_parked_record<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
-    app.state
-        .provider
-        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
     app.state.provider.lookup_down(true);
-    let cut = tokio::time::timeout(
-        Duration::from_millis(500),
-        send(&app.router, payment("pay-1", PAY)),
-    )
-    .await;
-    assert!(cut.is_err());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    abandon_mid_charge(&app).await;
     let completer = app.completer(&h);
     let pass = completer.run_once().await.expect("pass");
     assert_eq!(pass.parked, 1, "{pass:?}: the look-up is still down");
@@ -324,16 +312,7 @@ pub async fn lease_is_renewed_during_a_long_step<DB: ConformanceDb>(h: Harness<D
 /// client retry; the client's later retry replays it.
 pub async fn lease_completer_finishes_an_abandoned_payment<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
-    app.state
-        .provider
-        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
-    let cut = tokio::time::timeout(
-        Duration::from_millis(500),
-        send(&app.router, payment("pay-1", PAY)),
-    )
-    .await;
-    assert!(cut.is_err());
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    abandon_mid_charge(&app).await;
     let completer = app.completer(&h);
     let pass = completer.run_once().await.expect("pass");
     assert_eq!(pass.completed, 1, "{pass:?}");
