@@ -238,6 +238,7 @@ mod local;
 mod observe;
 mod path;
 pub mod problem;
+mod random;
 mod reconcile;
 mod replay;
 mod scope;

@@ -84,16 +84,7 @@ pub(crate) fn full_jitter(retry: u32, base: Duration, cap: Duration) -> Duration
         .saturating_mul(1u32 << retry.saturating_sub(1).min(20))
         .min(cap);
     let ms = u64::try_from(ceiling.as_millis()).unwrap_or(u64::MAX);
-    Duration::from_millis(random_below(ms.saturating_add(1)))
-}
-
-/// A random number below `n` (from the standard library's per-hasher
-/// random keys; jitter needs no cryptographic quality).
-fn random_below(n: u64) -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(n);
-    h.finish() % n.max(1)
+    Duration::from_millis(crate::random::random_below(ms.saturating_add(1)))
 }
 
 #[cfg(test)]

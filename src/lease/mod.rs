@@ -204,17 +204,11 @@ pub use step::{Recovered, StepError, StepKey};
 /// under the reserved name `~claim`, which every [`StepKey`] mixes in, so a
 /// key used again after its record was purged never meets its old steps.
 pub(crate) fn claim_data() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    let mut id = String::with_capacity(32);
-    for _ in 0..2 {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u128(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos()),
-        );
-        id.push_str(&format!("{:016x}", h.finish()));
-    }
+    let id = format!(
+        "{:016x}{:016x}",
+        crate::random::random_u64(),
+        crate::random::random_u64()
+    );
     format!(r#"{{"{CLAIM_ID}":"{id}"}}"#)
 }
 

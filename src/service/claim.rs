@@ -266,10 +266,7 @@ fn store_failure<DB: Backend>(e: &sqlx::Error, attempts: u32) -> Claimed<DB> {
 /// Exponential backoff from 25 ms, capped at 1 s, with up to 50 % jitter so
 /// contending retries spread out.
 pub(super) fn backoff(attempt: u32) -> Duration {
-    use std::hash::{BuildHasher, Hasher};
     let base = 25u64.saturating_mul(1 << attempt.min(6)).min(1000);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(attempt);
-    let jitter = h.finish() % (base / 2 + 1);
+    let jitter = crate::random::random_below(base / 2 + 1);
     Duration::from_millis(base / 2 + jitter)
 }
