@@ -345,7 +345,7 @@ where
         .checked_add(cfg.deadline)
         .unwrap_or_else(|| started + Duration::from_secs(30 * 365 * 86_400));
     let left = || deadline.saturating_duration_since(Instant::now());
-    let cut = || -> BoxError { "the deadline passed".into() };
+    let cut = || -> BoxError { DEADLINE.into() };
     let (mut parts, body) = req.into_parts();
     let mut report = RetryReport {
         attempts: 1,
@@ -358,11 +358,7 @@ where
     if !cfg.methods.contains(&parts.method) {
         report.stop = RetryStop::NotGuarded;
         let req = Request::from_parts(parts, boxed(body));
-        return match tokio::time::timeout(left(), send(&mut inner, req)).await {
-            Ok(Ok(res)) => Ok(finish(res, report)),
-            Ok(Err(e)) => Err(fail(report, e)),
-            Err(_) => Err(fail(report, cut())),
-        };
+        return send_once(&mut inner, req, left(), report).await;
     }
     let key = match parts.headers.get(IDEMPOTENCY_KEY) {
         Some(key) => String::from_utf8_lossy(key.as_bytes()).into_owned(),
@@ -399,11 +395,7 @@ where
         Ok(Buffered::TooLarge(body)) => {
             report.stop = RetryStop::BodyTooLarge;
             let req = Request::from_parts(parts, body);
-            return match tokio::time::timeout(left(), send(&mut inner, req)).await {
-                Ok(Ok(res)) => Ok(finish(res, report)),
-                Ok(Err(e)) => Err(fail(report, e)),
-                Err(_) => Err(fail(report, cut())),
-            };
+            return send_once(&mut inner, req, left(), report).await;
         }
         Err(e) => return Err(fail(report, e)),
     };
@@ -444,6 +436,31 @@ where
         report.attempts += 1;
     }
 }
+
+/// One send without retries (a method not guarded, a body over the bound),
+/// within what is left of the deadline.
+async fn send_once<S, RB>(
+    inner: &mut S,
+    req: Request<RetryBody>,
+    left: Duration,
+    report: RetryReport,
+) -> Result<Response<RetryBody>, RetryError>
+where
+    S: Service<Request<RetryBody>, Response = Response<RB>>,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    RB: Body<Data = Bytes> + Send + 'static,
+    RB::Error: Into<BoxError>,
+{
+    let answer = match tokio::time::timeout(left, send(inner, req)).await {
+        Ok(answer) => answer,
+        Err(_) => Err(DEADLINE.into()),
+    };
+    deliver(answer, report)
+}
+
+/// The error of an attempt cut by the deadline.
+const DEADLINE: &str = "the deadline passed";
 
 /// Calls the inner service, the future boxed where its type is known (an
 /// `async` body that held the inner future by its type could not be shown
