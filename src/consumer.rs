@@ -92,11 +92,12 @@ use tokio::time::Instant;
 
 use crate::expiry::{is_expired, millis};
 use crate::fingerprint::canonical_json;
+use crate::observe;
 use crate::scope::bounded;
 use crate::service::CatchUnwind;
 use crate::store::{
-    Backend, Claim, ClaimOutcome, Completion, IsolationLevel, OwnedClaim, RecordStatus, Scope,
-    StoreErrorKind,
+    Backend, Claim, ClaimOutcome, Completion, IsolationLevel, RecordStatus, Scope, StoreErrorKind,
+    spawn_claim,
 };
 use crate::tx::Tx;
 
@@ -298,13 +299,13 @@ impl<DB: Backend> Consumer<DB> {
                         message_id,
                         "a message id was delivered again with a different payload; not applied"
                     );
-                    count("payload_mismatch");
+                    observe::message("payload_mismatch");
                     return Err(ConsumeError::PayloadMismatch {
                         message_id: message_id.to_owned(),
                     });
                 }
                 Some(record) if record.status.is_terminal() || is_expired(&record) => {
-                    count("duplicate");
+                    observe::message("duplicate");
                     return Ok(Processed::Duplicate);
                 }
                 Some(_) => return Err(ConsumeError::Unresolved),
@@ -327,7 +328,7 @@ impl<DB: Backend> Consumer<DB> {
             }
             Ok(Err(e)) => {
                 rollback(tx).await;
-                count("handler_error");
+                observe::message("handler_error");
                 return Err(ConsumeError::Handler(e));
             }
             Ok(Ok(value)) => value,
@@ -344,7 +345,7 @@ impl<DB: Backend> Consumer<DB> {
         };
         match DB::finish(&self.pool, tx, &scope, &done).await {
             Ok(_) => {
-                count("applied");
+                observe::message("applied");
                 Ok(Processed::Applied(value))
             }
             Err(e) => Err(ConsumeError::Store(e.into_inner())),
@@ -366,24 +367,19 @@ impl<DB: Backend> Consumer<DB> {
                 Ok(conn) => conn.map_err(ConsumeError::Store)?,
                 Err(_) => return Err(ConsumeError::InFlight),
             };
-            let owned = OwnedClaim::new(&Claim {
+            let claim = Claim {
                 scope: *scope,
                 fingerprint,
                 retention_ms: millis(self.retention),
                 lock_wait: left.max(Duration::from_millis(1)),
                 isolation: self.isolation,
-            });
-            // Its own task: a claim dropped mid-way could leave the
-            // connection inside a transaction (see `Backend::claim`). The
-            // wait for it is bounded here, whatever the store's own lock
-            // wait granularity (SQLite's busy timeout, MySQL's whole
-            // seconds): a claim still waiting is left to finish and roll
-            // back on its own.
-            let task = tokio::spawn(async move { DB::claim(conn, &owned.as_claim()).await });
-            let claimed = match tokio::time::timeout(left, task).await {
-                Ok(joined) => {
-                    joined.map_err(|_| ConsumeError::Store(sqlx::Error::WorkerCrashed))?
-                }
+            };
+            // The wait for the claim's task is bounded here, whatever the
+            // store's own lock wait granularity (SQLite's busy timeout,
+            // MySQL's whole seconds): a claim still waiting is left to
+            // finish and roll back on its own.
+            let claimed = match tokio::time::timeout(left, spawn_claim(conn, &claim, ())).await {
+                Ok(claimed) => claimed,
                 Err(_) => return Err(ConsumeError::InFlight),
             };
             match claimed {
@@ -506,13 +502,6 @@ async fn rollback<DB: Backend>(tx: Option<sqlx::Transaction<'static, DB>>) {
     if let Some(tx) = tx {
         let _ = tx.rollback().await;
     }
-}
-
-fn count(outcome: &'static str) {
-    #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_messages_total", "outcome" => outcome).increment(1);
-    #[cfg(not(feature = "metrics"))]
-    let _ = outcome;
 }
 
 #[cfg(test)]

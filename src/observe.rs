@@ -88,6 +88,15 @@ pub(crate) fn timing(field: &'static str, took: Duration) {
     }
 }
 
+/// Counts one message delivery by what became of it
+/// (`idempotency_messages_total{outcome}`, with the `metrics` feature).
+pub(crate) fn message(outcome: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_messages_total", "outcome" => outcome).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = outcome;
+}
+
 /// Closes a guarded request: outcome on the span, one event, one count.
 pub(crate) fn finish(outcome: Option<&IdempotencyOutcome>) {
     let label = outcome.map_or("error", IdempotencyOutcome::label);

@@ -7,13 +7,15 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use sqlx::Transaction;
 
-use super::{Answer, IdempotencyOutcome, Identity, Run, add_expiry, refusal, store_problem};
+use super::{
+    Answer, IdempotencyOutcome, Identity, Run, add_expiry, refusal, store_problem, within,
+};
 use crate::expiry::{is_expired, millis};
 use crate::lease::settle::reconciling;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
 use crate::store::{
-    Backend, Claim, ClaimOutcome, OwnedClaim, Record, RecordStatus, StoreErrorKind,
+    Backend, Claim, ClaimOutcome, Record, RecordStatus, StoreErrorKind, spawn_claim,
 };
 
 /// The outcome of the claim stage.
@@ -159,22 +161,14 @@ impl<DB: Backend> Run<DB> {
             share.min(PROBE_WAIT)
         }
         .max(Duration::from_millis(1));
-        let owned = OwnedClaim::new(&Claim {
+        let claim = Claim {
             scope: id.scope,
             fingerprint: id.fingerprint.as_bytes(),
             retention_ms: millis(cfg.retention),
             lock_wait,
             isolation: cfg.isolation,
-        });
-        let task = tokio::spawn(async move {
-            let _permit = permit;
-            DB::claim(conn, &owned.as_claim()).await
-        });
-        let outcome = match task.await {
-            Ok(outcome) => outcome,
-            // The claim task panicked (a driver bug): its connection is gone.
-            Err(_) => return Err(sqlx::Error::WorkerCrashed),
         };
+        let outcome = spawn_claim(conn, &claim, permit).await;
         match outcome {
             Ok(ClaimOutcome::Won(tx)) => Ok(Attempt::Won(tx)),
             Ok(ClaimOutcome::Lost) => Ok(Attempt::Lost),
@@ -198,10 +192,7 @@ impl<DB: Backend> Run<DB> {
         let wait = deadline
             .saturating_duration_since(Instant::now())
             .max(MIN_READ_WAIT);
-        let record = match tokio::time::timeout(wait, DB::fetch(&self.pool, &id.scope)).await {
-            Ok(record) => record?,
-            Err(_) => return Err(sqlx::Error::PoolTimedOut),
-        };
+        let record = within(wait, DB::fetch(&self.pool, &id.scope)).await?;
         Ok(record.map(|record| self.judge(&record, id, attempts)))
     }
 

@@ -13,7 +13,7 @@ use tower_service::Service;
 use super::claim::{MIN_READ_WAIT, Pending, backoff};
 use super::{
     Answer, BoxError, CatchUnwind, Identity, Run, buffered, read_response, refusal, refuse,
-    store_problem,
+    store_problem, within,
 };
 use crate::body::IdempotencyBody;
 use crate::expiry::millis;
@@ -78,7 +78,7 @@ impl<DB: Backend> Run<DB> {
                 isolation: cfg.isolation,
             };
             let first = claim_data();
-            let won = bounded(
+            let won = within(
                 left,
                 DB::lease_claim(&self.pool, &claim, mode.lease_ms(), first.as_bytes()),
             )
@@ -132,7 +132,7 @@ impl<DB: Backend> Run<DB> {
         let wait = deadline
             .saturating_duration_since(Instant::now())
             .max(MIN_READ_WAIT);
-        let record = match bounded(wait, DB::fetch(&self.pool, &id.scope)).await {
+        let record = match within(wait, DB::fetch(&self.pool, &id.scope)).await {
             Ok(Some(record)) => record,
             // Deleted in between (a rejected request): claim again.
             Ok(None) => return Lookup::Wait,
@@ -154,7 +154,7 @@ impl<DB: Backend> Run<DB> {
             mode.lease_ms(),
             false,
         );
-        match bounded(wait, took).await {
+        match within(wait, took).await {
             Ok(true) => {}
             // Another attempt took it first: wait on its lease.
             Ok(false) => return Lookup::Wait,
@@ -163,7 +163,7 @@ impl<DB: Backend> Run<DB> {
         // The state at the generation just taken, read after the takeover:
         // a write of the earlier owner can have landed since the read above.
         let generation = lease.generation + 1;
-        let saved = match bounded(wait, DB::fetch(&self.pool, &id.scope)).await {
+        let saved = match within(wait, DB::fetch(&self.pool, &id.scope)).await {
             Ok(record) => record.and_then(|r| r.lease),
             Err(e) => return Lookup::Answer(refusal(store_problem::<DB>(&e), attempts)),
         };
@@ -242,14 +242,4 @@ enum Lookup<DB: Backend> {
     TookOver(Leased<DB>),
     /// A live lease (or a row gone in between): try again after a pause.
     Wait,
-}
-
-/// A store call bounded by `wait`; running out is a busy store.
-async fn bounded<T>(
-    wait: Duration,
-    call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
-) -> Result<T, sqlx::Error> {
-    tokio::time::timeout(wait.max(MIN_READ_WAIT), call)
-        .await
-        .unwrap_or(Err(sqlx::Error::PoolTimedOut))
 }

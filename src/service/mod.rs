@@ -377,6 +377,16 @@ where
     }
 }
 
+/// A store call bounded by `wait`; running out is a busy store.
+pub(super) async fn within<T>(
+    wait: std::time::Duration,
+    call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, sqlx::Error> {
+    tokio::time::timeout(wait.max(claim::MIN_READ_WAIT), call)
+        .await
+        .unwrap_or(Err(sqlx::Error::PoolTimedOut))
+}
+
 /// Buffers the handler's answer for recording, up to `limit` bytes.
 async fn read_response<B>(res: Response<B>, limit: usize) -> Result<Response<Bytes>, Problem>
 where

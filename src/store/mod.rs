@@ -123,9 +123,27 @@ pub struct Claim<'a> {
     pub isolation: IsolationLevel,
 }
 
-/// A claim's values, owned, for the task that runs the claim (a claim must
-/// not be cancelled halfway: see [`Backend::claim`]).
-pub(crate) struct OwnedClaim {
+/// Runs a claim on `conn` as a task of its own, so that a caller that goes
+/// away mid-claim can never return the connection halfway through the
+/// claim's statements (see [`Backend::claim`]): the task finishes, within
+/// its lock wait, and a claim won by nobody rolls back as it drops. `hold`
+/// (a permit, say) lives as long as the claim. A task that panicked (a
+/// driver bug) is [`sqlx::Error::WorkerCrashed`].
+pub(crate) fn spawn_claim<DB: Backend, H: Send + 'static>(
+    conn: PoolConnection<DB>,
+    claim: &Claim<'_>,
+    hold: H,
+) -> impl Future<Output = Result<ClaimOutcome<DB>, sqlx::Error>> + Send + 'static {
+    let owned = OwnedClaim::new(claim);
+    let task = tokio::spawn(async move {
+        let _hold = hold;
+        DB::claim(conn, &owned.as_claim()).await
+    });
+    async move { task.await.unwrap_or(Err(sqlx::Error::WorkerCrashed)) }
+}
+
+/// A claim's values, owned, for the task that runs the claim.
+struct OwnedClaim {
     principal: String,
     operation: String,
     key: String,
@@ -136,7 +154,7 @@ pub(crate) struct OwnedClaim {
 }
 
 impl OwnedClaim {
-    pub(crate) fn new(claim: &Claim<'_>) -> Self {
+    fn new(claim: &Claim<'_>) -> Self {
         Self {
             principal: claim.scope.principal.to_owned(),
             operation: claim.scope.operation.to_owned(),
@@ -148,7 +166,7 @@ impl OwnedClaim {
         }
     }
 
-    pub(crate) fn as_claim(&self) -> Claim<'_> {
+    fn as_claim(&self) -> Claim<'_> {
         Claim {
             scope: Scope {
                 principal: &self.principal,
