@@ -6,6 +6,8 @@
 //! fake_provider` alone does not, so run `cargo build --example
 //! fake_provider` before it (the test refuses a binary older than its source).
 
+mod common;
+
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -19,29 +21,6 @@ use tokio::process::{Child, Command};
 
 /// Every request, start-up and exit is bounded by this.
 const TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The example binary that `cargo test` builds next to this test.
-fn example_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let target = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let bin = target.join("examples").join("fake_provider");
-    let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified());
-    let Ok(built) = modified(&bin) else {
-        panic!(
-            "{} is missing: run through cargo test, or cargo build --example fake_provider first",
-            bin.display()
-        );
-    };
-    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/fake_provider.rs");
-    if let Ok(written) = modified(&source) {
-        assert!(
-            written <= built,
-            "{} is older than its source: cargo build --example fake_provider",
-            bin.display()
-        );
-    }
-    bin
-}
 
 /// One running provider.
 struct Provider {
@@ -65,7 +44,7 @@ const CHARGE: &str = r#"{"amount":12000,"currency":"KRW","source":"tok_visa"}"#;
 
 impl Provider {
     async fn start() -> Self {
-        let mut child = Command::new(example_binary())
+        let mut child = Command::new(common::example("fake_provider"))
             .args(["--addr", "127.0.0.1:0"])
             .stdout(Stdio::piped())
             .kill_on_drop(true)
@@ -78,12 +57,7 @@ impl Provider {
             .expect("the provider starts")
             .unwrap()
             .expect("a start-up line");
-        let addr = line
-            .split("http://")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .unwrap_or_else(|| panic!("unexpected start-up line {line:?}"))
-            .to_string();
+        let addr = common::address(&line);
         Self { addr, child }
     }
 

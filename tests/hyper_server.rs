@@ -1,6 +1,8 @@
 //! The hyper-only example as a real process: the layer stacked with
 //! `tower::ServiceBuilder` on plain hyper 1 guards `POST /orders`.
 
+mod common;
+
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -13,17 +15,7 @@ use tokio::process::Command;
 
 #[tokio::test]
 async fn the_hyper_example_replays_and_refuses_a_changed_payload() {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .unwrap()
-        .join("examples/hyper_server");
-    assert!(
-        bin.exists(),
-        "{} is missing: run through cargo test",
-        bin.display()
-    );
+    let bin = common::example("hyper_server");
     let dir = std::env::temp_dir().join(format!("hyper-server-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut child = Command::new(bin)
@@ -39,7 +31,7 @@ async fn the_hyper_example_replays_and_refuses_a_changed_payload() {
         .unwrap()
         .unwrap()
         .unwrap();
-    let addr = line.split("http://").nth(1).unwrap().trim().to_string();
+    let addr = common::address(&line);
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let order = |amount: u32| {
         http::Request::post(format!("http://{addr}/orders"))

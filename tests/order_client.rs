@@ -7,6 +7,8 @@
 //! every client line's `orderId` committed, and each client's answer the
 //! first committed answer for its key.
 
+mod common;
+
 use std::collections::{HashMap, HashSet};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -19,20 +21,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, Command};
 use tower_idempotency::testkit::{Cleanup, ConformanceDb as TestDb};
 
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let target = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let bin = target.join("examples").join(name);
-    assert!(
-        bin.exists(),
-        "{} is missing: run through cargo test",
-        bin.display()
-    );
-    bin
-}
-
 async fn start_service(url: &str) -> (Child, String) {
-    let mut child = Command::new(example("order_service"))
+    let mut child = Command::new(common::example("order_service"))
         .args(["--addr", "127.0.0.1:0"])
         .env("DATABASE_URL", url)
         .stdout(Stdio::piped())
@@ -46,12 +36,7 @@ async fn start_service(url: &str) -> (Child, String) {
         .expect("the service starts")
         .unwrap()
         .expect("a start-up line");
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("unexpected start-up line {line:?}"))
-        .to_string();
+    let addr = common::address(&line);
     (child, addr)
 }
 
@@ -205,7 +190,7 @@ async fn orders_through_a_lossy_link<DB: TestDb>() {
 
     let counts = Arc::new(Counts::default());
     let proxy = lossy_proxy(addr, Arc::clone(&counts)).await;
-    let run = Command::new(example("order_client"))
+    let run = Command::new(common::example("order_client"))
         .args([
             "--base-url",
             &format!("http://{proxy}"),

@@ -1,6 +1,8 @@
 //! End-to-end: the example order service as a real process over real HTTP,
 //! on PostgreSQL and SQLite, judged by the rows in its database.
 
+mod common;
+
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -13,19 +15,6 @@ use sqlx::Pool;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tower_idempotency::testkit::{Cleanup, ConformanceDb as TestDb};
-
-/// The example binary that `cargo test` builds next to this test.
-fn example_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let target = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let bin = target.join("examples").join("order_service");
-    assert!(
-        bin.exists(),
-        "{} is missing: run through cargo test",
-        bin.display()
-    );
-    bin
-}
 
 /// One running service on its own database.
 struct Service<DB: TestDb> {
@@ -134,7 +123,7 @@ async fn spawn(url: &str, delay_ms: u64) -> (Child, String) {
 const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 
 async fn spawn_with(url: &str, delay_ms: u64, env: &[(&str, &str)]) -> (Child, String) {
-    let mut child = Command::new(example_binary())
+    let mut child = Command::new(common::example("order_service"))
         .args([
             "--addr",
             "127.0.0.1:0",
@@ -154,12 +143,7 @@ async fn spawn_with(url: &str, delay_ms: u64, env: &[(&str, &str)]) -> (Child, S
         .expect("the service starts")
         .unwrap()
         .expect("a start-up line");
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("unexpected start-up line {line:?}"))
-        .to_string();
+    let addr = common::address(&line);
     (child, addr)
 }
 

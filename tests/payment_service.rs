@@ -12,6 +12,8 @@
 //! it (the test refuses binaries older than their sources). Run with
 //! `--nocapture` to see the counts each case prints.
 
+mod common;
+
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -36,34 +38,9 @@ const PAYMENT: &str = r#"{"orderId":"o-1001","amount":12000,"currency":"KRW","so
 const USER: &str = "user-42";
 const KEY: &str = "pay-20260914-001";
 
-/// An example binary built next to this test, not older than its source.
-fn example_binary(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let target = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let bin = target.join("examples").join(name);
-    let modified = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified());
-    let Ok(built) = modified(&bin) else {
-        panic!(
-            "{} is missing: run through cargo test, or cargo build --example {name} first",
-            bin.display()
-        );
-    };
-    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("examples")
-        .join(format!("{name}.rs"));
-    if let Ok(written) = modified(&source) {
-        assert!(
-            written <= built,
-            "{} is older than its source: cargo build --example {name}",
-            bin.display()
-        );
-    }
-    bin
-}
-
 /// Starts an example and reads the address from its first line.
 async fn spawn(name: &str, args: &[String], env: &[(&str, &str)]) -> (Child, String) {
-    let mut child = Command::new(example_binary(name))
+    let mut child = Command::new(common::example(name))
         .args(args)
         .envs(env.iter().copied())
         .stdout(Stdio::piped())
@@ -77,12 +54,7 @@ async fn spawn(name: &str, args: &[String], env: &[(&str, &str)]) -> (Child, Str
         .unwrap_or_else(|_| panic!("{name} starts within {START:?}"))
         .unwrap()
         .unwrap_or_else(|| panic!("{name} printed no start-up line"));
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("unexpected start-up line {line:?}"))
-        .to_string();
+    let addr = common::address(&line);
     // Keep reading stdout so the process never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     (child, addr)

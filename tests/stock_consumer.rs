@@ -7,6 +7,8 @@
 //! so the cases run in parallel; the stream is deleted when a case ends.
 //! `STOCK_CONSUMER_LOGS=1` prints every consumer process's lines.
 
+mod common;
+
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -34,19 +36,6 @@ const ACK_WAIT_MS: u64 = 1000;
 /// The longest wait for the consumers to settle.
 const SETTLE: Duration = Duration::from_secs(30);
 const INITIAL_STOCK: i64 = 1000;
-
-/// The example binary that `cargo test` builds next to this test.
-fn example_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let target = exe.parent().and_then(|deps| deps.parent()).unwrap();
-    let bin = target.join("examples").join("stock_consumer");
-    assert!(
-        bin.exists(),
-        "{} is missing: run through cargo test (it builds the examples)",
-        bin.display()
-    );
-    bin
-}
 
 /// Whether a NATS server answers on its port (its `INFO` greeting).
 fn nats_answers() -> bool {
@@ -232,7 +221,7 @@ impl<DB: TestDb> World<DB> {
     /// Starts a consumer process and waits for its start-up line; the
     /// first one also creates the tables, then the stock is seeded.
     async fn spawn(&mut self, delay_ms: u64) -> usize {
-        let mut child = Command::new(example_binary())
+        let mut child = Command::new(common::example("stock_consumer"))
             .args([
                 "--nats",
                 &nats_url(),

@@ -1,0 +1,41 @@
+//! What the end-to-end tests that run example processes share.
+
+// Each test crate that includes this module uses a part of it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+/// The example binary `name` that `cargo test` builds next to this test,
+/// refused when missing or older than its source.
+pub fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let target = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let bin = target.join("examples").join(name);
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified());
+    let Ok(built) = modified(&bin) else {
+        panic!(
+            "{} is missing: run through cargo test, or cargo build --example {name} first",
+            bin.display()
+        );
+    };
+    let source = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(format!("{name}.rs"));
+    if let Ok(written) = modified(&source) {
+        assert!(
+            written <= built,
+            "{} is older than its source: cargo build --example {name}",
+            bin.display()
+        );
+    }
+    bin
+}
+
+/// The `HOST:PORT` of a start-up line `… listening on http://HOST:PORT …`.
+pub fn address(line: &str) -> String {
+    line.split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("unexpected start-up line {line:?}"))
+        .to_string()
+}
