@@ -4,16 +4,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
-use http::{HeaderName, Method, StatusCode, header};
+use http::{HeaderName, Method, StatusCode};
 use sqlx::Pool;
 use tower_layer::Layer;
 
+use crate::config::{Config, ConfigError, default_recorded_headers, nonzero};
 use crate::expiry::DEFAULT_RETENTION;
 use crate::fingerprint::Normalizer;
 use crate::key::KeyMode;
 use crate::lease::LeaseMode;
-use crate::local::LocalClaims;
-use crate::scope::{Principal, PrincipalFn, principal_from_extensions};
+use crate::scope::{Principal, principal_from_extensions};
 use crate::service::Idempotency;
 use crate::store::{Backend, IsolationLevel};
 
@@ -44,88 +44,6 @@ impl<DB: Backend> std::fmt::Debug for IdempotencyLayer<DB> {
             .finish_non_exhaustive()
     }
 }
-
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) methods: Vec<Method>,
-    pub(crate) key_required: bool,
-    pub(crate) key_mode: KeyMode,
-    pub(crate) principal: PrincipalFn,
-    pub(crate) operation: Option<Arc<str>>,
-    pub(crate) normalizer: Normalizer,
-    pub(crate) max_request_body: usize,
-    pub(crate) max_response_body: usize,
-    pub(crate) retention: Duration,
-    pub(crate) in_flight_wait: Duration,
-    pub(crate) claim_attempts: u32,
-    pub(crate) claim_deadline: Duration,
-    pub(crate) mismatch_status: StatusCode,
-    pub(crate) replayed_header: bool,
-    pub(crate) recorded_headers: Vec<HeaderName>,
-    pub(crate) hash_keys: bool,
-    pub(crate) local: Arc<LocalClaims>,
-    pub(crate) read_first: bool,
-    pub(crate) resource_link: Option<ResourceLinkFn>,
-    pub(crate) isolation: IsolationLevel,
-    pub(crate) max_waiting: usize,
-    pub(crate) waiters: Arc<tokio::sync::Semaphore>,
-    pub(crate) lease: Option<LeaseMode>,
-}
-
-pub(crate) type ResourceLinkFn = Arc<dyn Fn(&str) -> String + Send + Sync>;
-
-impl std::fmt::Debug for Config {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Config")
-            .field("methods", &self.methods)
-            .field("key_required", &self.key_required)
-            .field("key_mode", &self.key_mode)
-            .field("operation", &self.operation)
-            .field("normalizer", &self.normalizer)
-            .field("max_request_body", &self.max_request_body)
-            .field("max_response_body", &self.max_response_body)
-            .field("retention", &self.retention)
-            .field("in_flight_wait", &self.in_flight_wait)
-            .field("claim_attempts", &self.claim_attempts)
-            .field("claim_deadline", &self.claim_deadline)
-            .field("mismatch_status", &self.mismatch_status)
-            .field("replayed_header", &self.replayed_header)
-            .field("recorded_headers", &self.recorded_headers)
-            .field("hash_keys", &self.hash_keys)
-            .field("read_first", &self.read_first)
-            .field("isolation", &self.isolation)
-            .field("max_waiting", &self.max_waiting)
-            .field("lease", &self.lease)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Config {
-    pub(crate) fn guards(&self, method: &Method) -> bool {
-        self.methods.contains(method)
-    }
-}
-
-/// A configuration value that cannot work.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The status for a key reused with a different request must be `409` or `422`.
-    MismatchStatus(StatusCode),
-    /// A limit, wait, count or retention was zero.
-    Zero(&'static str),
-}
-
-impl std::fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::MismatchStatus(s) => write!(f, "mismatch status must be 409 or 422, not {s}"),
-            Self::Zero(what) => write!(f, "{what} must be greater than zero"),
-        }
-    }
-}
-
-impl std::error::Error for ConfigError {}
 
 impl<DB: Backend> IdempotencyLayer<DB> {
     /// A layer that keeps its ledger in `pool`'s database. Create the ledger
@@ -383,28 +301,9 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     }
 }
 
-/// The headers recorded by default: the body's representation and `Location`.
-pub(crate) fn default_recorded_headers() -> Vec<HeaderName> {
-    vec![
-        header::CONTENT_TYPE,
-        header::CONTENT_ENCODING,
-        header::CONTENT_LANGUAGE,
-        header::CONTENT_LOCATION,
-        header::LOCATION,
-    ]
-}
-
 /// A quarter of the pool, at least one connection.
 fn default_max_waiting(pool_size: u32) -> usize {
     usize::try_from(pool_size / 4).unwrap_or(1).max(1)
-}
-
-fn nonzero<T: Default + PartialEq>(value: T, what: &'static str) -> Result<T, ConfigError> {
-    if value == T::default() {
-        Err(ConfigError::Zero(what))
-    } else {
-        Ok(value)
-    }
 }
 
 impl<S, DB: Backend> Layer<S> for IdempotencyLayer<DB> {
@@ -418,6 +317,7 @@ impl<S, DB: Backend> Layer<S> for IdempotencyLayer<DB> {
 #[cfg(all(test, feature = "sqlite"))]
 mod tests {
     use super::*;
+    use http::header;
 
     fn layer() -> IdempotencyLayer<sqlx::Sqlite> {
         let pool = sqlx::sqlite::SqlitePoolOptions::new()

@@ -228,6 +228,7 @@ mod body;
 mod classify;
 #[cfg(feature = "client")]
 pub mod client;
+mod config;
 pub mod consumer;
 mod expiry;
 mod fingerprint;
@@ -236,6 +237,7 @@ mod layer;
 pub mod lease;
 mod local;
 mod observe;
+mod outcome;
 mod path;
 pub mod problem;
 mod random;
@@ -250,17 +252,19 @@ mod tx;
 
 pub use body::IdempotencyBody;
 pub use classify::{Classification, ResourceId};
+pub use config::ConfigError;
 pub use expiry::{
     DEFAULT_RETENTION, DEFAULT_TOMBSTONE_RETENTION, IDEMPOTENCY_KEY_EXPIRES, SweepReport, Sweeper,
 };
 pub use fingerprint::{Fingerprint, FingerprintError, Normalizer};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyMode, MAX_KEY_LEN};
-pub use layer::{ConfigError, IdempotencyLayer};
+pub use layer::IdempotencyLayer;
+pub use outcome::IdempotencyOutcome;
 pub use problem::ProblemKind;
 pub use reconcile::{Reconciler, Resolution};
 pub use replay::IDEMPOTENT_REPLAYED;
 pub use scope::Principal;
-pub use service::{Idempotency, IdempotencyOutcome, ResponseFuture};
+pub use service::{Idempotency, ResponseFuture};
 pub use store::{Backend, IsolationLevel, UnresolvedRecord, migrate};
 pub use tx::{Tx, TxError, TxGuard};
 

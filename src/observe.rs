@@ -19,43 +19,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use tracing::Span;
 
-use crate::classify::Classification;
-use crate::problem::ProblemKind;
-use crate::service::IdempotencyOutcome;
-
-impl IdempotencyOutcome {
-    /// A stable label for logs and metrics: `claimed`, `replayed`,
-    /// `mismatch`, `in-flight`, `unconfirmed`, `expired`,
-    /// `transient-rollback`, `final-failure`, `rejected`, `refused` (bad
-    /// input), `store-unavailable`, `store-busy`, `transaction-conflict`,
-    /// `transaction-ended`, `reconciling`, `commit-unknown`, `unguarded`.
-    pub fn label(&self) -> &'static str {
-        match self {
-            Self::Unguarded => "unguarded",
-            Self::Executed(Classification::Success) => "claimed",
-            Self::Executed(Classification::FinalFailure) => "final-failure",
-            Self::Executed(Classification::Transient) => "transient-rollback",
-            Self::Executed(Classification::Rejected) => "rejected",
-            Self::Replayed => "replayed",
-            Self::Refused { problem, .. } => match problem {
-                ProblemKind::KeyReused => "mismatch",
-                ProblemKind::InFlight => "in-flight",
-                ProblemKind::Unconfirmed => "unconfirmed",
-                ProblemKind::Expired => "expired",
-                ProblemKind::StoreUnavailable => "store-unavailable",
-                ProblemKind::StoreBusy => "store-busy",
-                ProblemKind::TransactionConflict => "transaction-conflict",
-                ProblemKind::TransactionEnded => "transaction-ended",
-                ProblemKind::Reconciling => "reconciling",
-                ProblemKind::CommitUnknown => "commit-unknown",
-                ProblemKind::ResponseTooLarge
-                | ProblemKind::ResponseUnreadable
-                | ProblemKind::TransactionHeld => "transient-rollback",
-                _ => "refused",
-            },
-        }
-    }
-}
+use crate::outcome::IdempotencyOutcome;
 
 /// The span a guarded request runs in.
 pub(crate) fn span() -> Span {

@@ -175,7 +175,22 @@ pub(crate) struct Problem {
     pub(crate) resource_link: Option<String>,
 }
 
+/// How soon a retry of a parked key is worth it, seconds.
+pub(crate) const RECONCILING_RETRY: u64 = 30;
+
 impl Problem {
+    /// The answer for a key whose record is parked.
+    pub(crate) fn reconciling() -> Self {
+        let detail = "the outcome of the first request with this Idempotency-Key is unknown; it is not executed again until it has been reconciled. Retry later with the same key";
+        Self::new(ProblemKind::Reconciling, detail).retry_after(RECONCILING_RETRY)
+    }
+
+    /// The answer for an attempt that lost its lease to a later one.
+    pub(crate) fn lease_lost() -> Self {
+        let detail = "this attempt ran past its lease and a later attempt with the same Idempotency-Key took over; retry with the same key to get its answer";
+        Self::new(ProblemKind::LeaseLost, detail).retry_after(1)
+    }
+
     pub(crate) fn new(kind: ProblemKind, detail: impl Into<String>) -> Self {
         Self {
             kind,

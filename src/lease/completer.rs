@@ -14,9 +14,9 @@ use sqlx::Pool;
 use super::settle::{ReleaseOnDrop, settle};
 use super::{LeaseMode, Leased};
 use crate::classify::Classification;
+use crate::outcome::IdempotencyOutcome;
 use crate::problem::ProblemKind;
 use crate::scope::bounded;
-use crate::service::IdempotencyOutcome;
 use crate::store::{Backend, IsolationLevel, RecordStatus, Scope};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -81,7 +81,7 @@ impl<DB: Backend> Completer<DB> {
             isolation: IsolationLevel::default(),
             batch: 16,
             attempt_timeout: mode.lease.max(mode.step_timeout) * 4,
-            recorded_headers: crate::layer::default_recorded_headers(),
+            recorded_headers: crate::config::default_recorded_headers(),
             resumers: HashMap::new(),
         }
     }

@@ -7,25 +7,10 @@ use http::{HeaderName, HeaderValue, Response};
 use super::{LeaseError, Leased};
 use crate::classify::Classification;
 use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date};
+use crate::outcome::IdempotencyOutcome;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
-use crate::service::IdempotencyOutcome;
 use crate::store::{Backend, Completion, FinishError, LeaseWrite, RecordStatus};
-
-/// How soon a retry of a parked key is worth it, seconds.
-pub(crate) const RECONCILING_RETRY: u64 = 30;
-
-/// The answer for a key whose record is parked.
-pub(crate) fn reconciling() -> Problem {
-    let detail = "the outcome of the first request with this Idempotency-Key is unknown; it is not executed again until it has been reconciled. Retry later with the same key";
-    Problem::new(ProblemKind::Reconciling, detail).retry_after(RECONCILING_RETRY)
-}
-
-/// The answer for an attempt that lost its lease to a later one.
-pub(crate) fn lease_lost() -> Problem {
-    let detail = "this attempt ran past its lease and a later attempt with the same Idempotency-Key took over; retry with the same key to get its answer";
-    Problem::new(ProblemKind::LeaseLost, detail).retry_after(1)
-}
 
 fn refused(problem: Problem, attempts: u32) -> (Response<Bytes>, IdempotencyOutcome) {
     let outcome = IdempotencyOutcome::Refused {
@@ -61,10 +46,10 @@ pub(crate) async fn settle<DB: Backend>(
     {
         let state = leased.state();
         if state.lost {
-            return refused(lease_lost(), 1);
+            return refused(Problem::lease_lost(), 1);
         }
         if state.parked {
-            return refused(reconciling(), 1);
+            return refused(Problem::reconciling(), 1);
         }
     }
     let (parts, body) = res.into_parts();
@@ -94,7 +79,7 @@ pub(crate) async fn settle<DB: Backend>(
             return match leased.write(&write).await {
                 Ok(()) => (Response::from_parts(parts, body), outcome),
                 // A later attempt owns the key: its answer is the one.
-                Err(LeaseError::Lost) => refused(lease_lost(), 1),
+                Err(LeaseError::Lost) => refused(Problem::lease_lost(), 1),
                 Err(e) => {
                     tracing::warn!(error = %e, "could not end the lease; it lapses on its own");
                     (Response::from_parts(parts, body), outcome)
@@ -126,7 +111,7 @@ pub(crate) async fn settle<DB: Backend>(
         }
         Ok(None) => {
             leased.state().lost = true;
-            refused(lease_lost(), 1)
+            refused(Problem::lease_lost(), 1)
         }
         // The database says the commit is still running: it may yet land;
         // the lease stays until it has, or lapses.
@@ -185,8 +170,8 @@ impl<DB: Backend> Drop for ReleaseOnDrop<DB> {
 impl From<LeaseError> for Problem {
     fn from(e: LeaseError) -> Self {
         match e {
-            LeaseError::Lost => lease_lost(),
-            LeaseError::Reconciling => reconciling(),
+            LeaseError::Lost => Problem::lease_lost(),
+            LeaseError::Reconciling => Problem::reconciling(),
             other => Problem::new(
                 ProblemKind::StoreUnavailable,
                 format!("lease mode: {other}; retry with the same key"),

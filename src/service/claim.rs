@@ -11,7 +11,7 @@ use super::{
     Answer, IdempotencyOutcome, Identity, Run, add_expiry, refusal, store_problem, within,
 };
 use crate::expiry::{is_expired, millis};
-use crate::lease::settle::reconciling;
+
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
 use crate::store::{
@@ -233,7 +233,7 @@ impl<DB: Backend> Run<DB> {
             // only inside their own transaction, so the handler ended that
             // transaction itself and nobody knows what took effect. (Lease
             // rows in PROCESSING are judged by the lease path first.)
-            _ => refusal(reconciling(), attempts),
+            _ => refusal(Problem::reconciling(), attempts),
         }
     }
 }

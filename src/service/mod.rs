@@ -23,11 +23,10 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::body::IdempotencyBody;
-use crate::classify::Classification;
+use crate::config::Config;
 use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
-use crate::layer::Config;
 use crate::local::Local;
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
@@ -40,28 +39,9 @@ mod lease;
 
 use claim::{Claimed, Pending};
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) use crate::outcome::IdempotencyOutcome;
 
-/// What the layer did with a request. Every response it returns carries one
-/// in its extensions, for outer layers (logging, metrics).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum IdempotencyOutcome {
-    /// The method is not guarded, or no key was sent and keys are optional.
-    Unguarded,
-    /// The handler ran on a fresh claim; the class says what was kept.
-    Executed(Classification),
-    /// A stored answer was replayed; the handler did not run.
-    Replayed,
-    /// The layer answered with a problem document; the handler did not run,
-    /// or its work was rolled back.
-    Refused {
-        /// Which refusal.
-        problem: ProblemKind,
-        /// How many claim attempts were made (0 when refused before claiming).
-        attempts: u32,
-    },
-}
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The middleware service built by [`IdempotencyLayer`](crate::IdempotencyLayer).
 pub struct Idempotency<S, DB: Backend> {

@@ -1,0 +1,118 @@
+//! The layer's settings, below the request path and lease mode that read
+//! them, and the error for a setting that cannot work.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode, header};
+
+use crate::fingerprint::Normalizer;
+use crate::key::KeyMode;
+use crate::lease::LeaseMode;
+use crate::local::LocalClaims;
+use crate::scope::PrincipalFn;
+use crate::store::IsolationLevel;
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) key_required: bool,
+    pub(crate) key_mode: KeyMode,
+    pub(crate) principal: PrincipalFn,
+    pub(crate) operation: Option<Arc<str>>,
+    pub(crate) normalizer: Normalizer,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_response_body: usize,
+    pub(crate) retention: Duration,
+    pub(crate) in_flight_wait: Duration,
+    pub(crate) claim_attempts: u32,
+    pub(crate) claim_deadline: Duration,
+    pub(crate) mismatch_status: StatusCode,
+    pub(crate) replayed_header: bool,
+    pub(crate) recorded_headers: Vec<HeaderName>,
+    pub(crate) hash_keys: bool,
+    pub(crate) local: Arc<LocalClaims>,
+    pub(crate) read_first: bool,
+    pub(crate) resource_link: Option<ResourceLinkFn>,
+    pub(crate) isolation: IsolationLevel,
+    pub(crate) max_waiting: usize,
+    pub(crate) waiters: Arc<tokio::sync::Semaphore>,
+    pub(crate) lease: Option<LeaseMode>,
+}
+
+pub(crate) type ResourceLinkFn = Arc<dyn Fn(&str) -> String + Send + Sync>;
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("methods", &self.methods)
+            .field("key_required", &self.key_required)
+            .field("key_mode", &self.key_mode)
+            .field("operation", &self.operation)
+            .field("normalizer", &self.normalizer)
+            .field("max_request_body", &self.max_request_body)
+            .field("max_response_body", &self.max_response_body)
+            .field("retention", &self.retention)
+            .field("in_flight_wait", &self.in_flight_wait)
+            .field("claim_attempts", &self.claim_attempts)
+            .field("claim_deadline", &self.claim_deadline)
+            .field("mismatch_status", &self.mismatch_status)
+            .field("replayed_header", &self.replayed_header)
+            .field("recorded_headers", &self.recorded_headers)
+            .field("hash_keys", &self.hash_keys)
+            .field("read_first", &self.read_first)
+            .field("isolation", &self.isolation)
+            .field("max_waiting", &self.max_waiting)
+            .field("lease", &self.lease)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Config {
+    pub(crate) fn guards(&self, method: &Method) -> bool {
+        self.methods.contains(method)
+    }
+}
+
+/// A configuration value that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The status for a key reused with a different request must be `409` or `422`.
+    MismatchStatus(StatusCode),
+    /// A limit, wait, count or retention was zero.
+    Zero(&'static str),
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::MismatchStatus(s) => write!(f, "mismatch status must be 409 or 422, not {s}"),
+            Self::Zero(what) => write!(f, "{what} must be greater than zero"),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The headers recorded by default: the body's representation and `Location`.
+pub(crate) fn default_recorded_headers() -> Vec<HeaderName> {
+    vec![
+        header::CONTENT_TYPE,
+        header::CONTENT_ENCODING,
+        header::CONTENT_LANGUAGE,
+        header::CONTENT_LOCATION,
+        header::LOCATION,
+    ]
+}
+
+pub(crate) fn nonzero<T: Default + PartialEq>(
+    value: T,
+    what: &'static str,
+) -> Result<T, ConfigError> {
+    if value == T::default() {
+        Err(ConfigError::Zero(what))
+    } else {
+        Ok(value)
+    }
+}
