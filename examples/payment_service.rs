@@ -88,7 +88,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::Pool;
 use tower_idempotency::lease::{
-    Completer, LeaseError, LeaseMode, Leased, Recovered, StepError, StepKey,
+    CallError, Completer, LeaseError, LeaseMode, Leased, Recovered, StepError, StepKey,
 };
 use tower_idempotency::store::StoreErrorKind;
 use tower_idempotency::{
@@ -348,14 +348,14 @@ impl Provider {
         path: &str,
         key: Option<&str>,
         body: Bytes,
-    ) -> Result<(StatusCode, Bytes), ProviderError> {
+    ) -> Result<(StatusCode, Bytes), CallError<ProviderError>> {
         match tokio::time::timeout(self.timeout, self.call_unbounded(method, path, key, body)).await
         {
             Ok(answer) => answer,
-            Err(_) => Err(ProviderError(format!(
+            Err(_) => Err(CallError::Uncertain(ProviderError(format!(
                 "{path}: no answer within {:?}",
                 self.timeout
-            ))),
+            )))),
         }
     }
 
@@ -365,12 +365,14 @@ impl Provider {
         path: &str,
         key: Option<&str>,
         body: Bytes,
-    ) -> Result<(StatusCode, Bytes), ProviderError> {
+    ) -> Result<(StatusCode, Bytes), CallError<ProviderError>> {
         let err =
             |what: &str, e: &dyn std::fmt::Display| ProviderError(format!("{path}: {what}: {e}"));
+        // No connection, nothing sent: the one failure that proves the
+        // provider never saw the request.
         let stream = tokio::net::TcpStream::connect(&self.authority)
             .await
-            .map_err(|e| err("connect", &e))?;
+            .map_err(|e| CallError::NotSent(err("connect", &e)))?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| err("handshake", &e))?;
@@ -404,7 +406,11 @@ impl Provider {
     }
 
     /// The `charge` step's `execute`: `POST /charges` with the step key.
-    async fn charge(&self, key: StepKey, p: &Created) -> Result<ChargeResult, ProviderError> {
+    async fn charge(
+        &self,
+        key: StepKey,
+        p: &Created,
+    ) -> Result<ChargeResult, CallError<ProviderError>> {
         let body = json!({"amount": p.amount, "currency": p.currency, "source": p.source});
         let (status, body) = self
             .call(
@@ -416,20 +422,24 @@ impl Provider {
             .await?;
         match status {
             StatusCode::OK | StatusCode::CREATED => {
-                charge_id(&body).map(|charge_id| ChargeResult::Captured { charge_id })
+                let charge_id = charge_id(&body)?;
+                Ok(ChargeResult::Captured { charge_id })
             }
             StatusCode::PAYMENT_REQUIRED => Ok(ChargeResult::Declined),
-            other => Err(ProviderError(format!(
+            other => Err(CallError::Uncertain(ProviderError(format!(
                 "POST /charges answered {other}: {}",
                 String::from_utf8_lossy(&body)
-            ))),
+            )))),
         }
     }
 
     /// The `charge` step's `recover`: the provider's look-up by step key.
     async fn lookup(&self, key: StepKey) -> Result<Recovered<ChargeResult>, ProviderError> {
         let path = format!("/charges?idempotency_key={}", key.as_str());
-        let (status, body) = self.call(Method::GET, &path, None, Bytes::new()).await?;
+        let (status, body) = self
+            .call(Method::GET, &path, None, Bytes::new())
+            .await
+            .map_err(CallError::into_inner)?;
         Ok(match status {
             StatusCode::OK => match charge_id(&body) {
                 Ok(charge_id) => Recovered::Done(ChargeResult::Captured { charge_id }),
@@ -603,7 +613,7 @@ async fn charge<DB: PaymentDb>(
         .await;
     outcome.map_err(|e| match e {
         StepError::Lease(e) => lease_failed(e),
-        StepError::Failed(e) => {
+        StepError::Failed(e) | StepError::NotSent(e) => {
             eprintln!("payment_service: the charge failed without effect: {e}");
             unavailable(
                 "provider-unavailable",
@@ -798,7 +808,10 @@ fn new_payment_id() -> String {
 
 fn lease_mode(args: &Args) -> LeaseMode {
     // The step's own bound is a backstop past the provider call's timeout.
-    LeaseMode::new(args.lease).with_step_timeout(args.provider_timeout + Duration::from_secs(1))
+    LeaseMode::new(args.lease)
+        .expect("a usable lease")
+        .with_step_timeout(args.provider_timeout + Duration::from_secs(1))
+        .expect("a usable lease")
 }
 
 fn router<DB: PaymentDb>(app: App<DB>, mode: LeaseMode) -> Router {

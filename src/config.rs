@@ -82,6 +82,14 @@ pub enum ConfigError {
     MismatchStatus(StatusCode),
     /// A limit, wait, count or retention was zero.
     Zero(&'static str),
+    /// A duration was longer than the longest the store's clock arithmetic
+    /// (and the protocol) can use.
+    TooLong {
+        /// The setting.
+        what: &'static str,
+        /// The longest accepted.
+        max: Duration,
+    },
 }
 
 impl std::fmt::Display for ConfigError {
@@ -89,6 +97,7 @@ impl std::fmt::Display for ConfigError {
         match self {
             Self::MismatchStatus(s) => write!(f, "mismatch status must be 409 or 422, not {s}"),
             Self::Zero(what) => write!(f, "{what} must be greater than zero"),
+            Self::TooLong { what, max } => write!(f, "{what} must be at most {max:?}"),
         }
     }
 }
@@ -116,3 +125,20 @@ pub(crate) fn nonzero<T: Default + PartialEq>(
         Ok(value)
     }
 }
+
+/// `value` when it is at most `max`, else [`ConfigError::TooLong`].
+pub(crate) fn at_most(
+    value: Duration,
+    max: Duration,
+    what: &'static str,
+) -> Result<Duration, ConfigError> {
+    if value > max {
+        Err(ConfigError::TooLong { what, max })
+    } else {
+        Ok(value)
+    }
+}
+
+/// The longest wait a request may be held for (a duplicate's in-flight
+/// wait, the claim deadline): ten minutes.
+pub(crate) const MAX_WAIT: Duration = Duration::from_secs(10 * 60);

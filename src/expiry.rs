@@ -27,6 +27,10 @@ pub(crate) fn millis(d: Duration) -> i64 {
 /// The longest tombstone retention applied: 10 000 years, "forever".
 const MAX_KEEP_MS: i64 = 10_000 * 366 * 24 * 3600 * 1000;
 
+/// The longest retention a layer takes: 10 000 years, "forever" (longer
+/// would overflow the database clock's arithmetic).
+pub const MAX_RETENTION: Duration = Duration::from_millis(MAX_KEEP_MS as u64);
+
 /// A tombstone, or a terminal row whose retention has ended on the
 /// database's clock.
 pub(crate) fn is_expired(record: &Record) -> bool {

@@ -8,7 +8,7 @@ use http::{HeaderName, Method, StatusCode};
 use sqlx::Pool;
 use tower_layer::Layer;
 
-use crate::config::{Config, ConfigError, default_recorded_headers, nonzero};
+use crate::config::{Config, ConfigError, MAX_WAIT, at_most, default_recorded_headers, nonzero};
 use crate::expiry::DEFAULT_RETENTION;
 use crate::fingerprint::Normalizer;
 use crate::key::KeyMode;
@@ -169,8 +169,12 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// How long a key is honoured after its first use, on the database's
     /// clock: retries within it replay, later ones get `410`. Part of your
     /// API contract: publish it. Zero is refused (every retry would be
-    /// `410`). The default is 24 hours.
+    /// `410`). Longer than [`MAX_RETENTION`](crate::MAX_RETENTION) is
+    /// refused too (it becomes SQL arithmetic on the database's clock). The
+    /// default is 24 hours. Counted from when the answer is recorded, so a
+    /// lease-mode record settled late is replayable for all of it.
     pub fn with_retention(mut self, retention: Duration) -> Result<Self, ConfigError> {
+        let retention = at_most(retention, crate::MAX_RETENTION, "retention")?;
         self.config.retention = nonzero(retention, "retention")?;
         Ok(self)
     }
@@ -181,8 +185,10 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// this process, the database lock waits of every claim attempt, the
     /// backoff between them and acquiring pooled connections. On SQLite the
     /// connection's `busy_timeout` bounds each database wait instead; on
-    /// MySQL lock waits are whole seconds. The default is 2 seconds.
+    /// MySQL lock waits are whole seconds. The default is 2 seconds; zero
+    /// and more than ten minutes are refused.
     pub fn with_in_flight_wait(mut self, wait: Duration) -> Result<Self, ConfigError> {
+        let wait = at_most(wait, MAX_WAIT, "in_flight_wait")?;
         self.config.in_flight_wait = nonzero(wait, "in_flight_wait")?;
         Ok(self)
     }
@@ -218,6 +224,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         deadline: Duration,
     ) -> Result<Self, ConfigError> {
         self.config.claim_attempts = nonzero(attempts, "claim attempts")?;
+        let deadline = at_most(deadline, MAX_WAIT, "claim deadline")?;
         self.config.claim_deadline = nonzero(deadline, "claim deadline")?;
         Ok(self)
     }
@@ -344,6 +351,17 @@ mod tests {
         assert!(layer().with_claim_retries(1, Duration::ZERO).is_err());
         assert!(layer().with_max_request_body(0).is_err());
         assert!(layer().with_mismatch_status(StatusCode::OK).is_err());
+        // Durations that become clock arithmetic (SQL, or `Instant + d`)
+        // are bounded: Duration::MAX overflowed every claim, or panicked.
+        assert!(matches!(
+            layer().with_retention(Duration::MAX).unwrap_err(),
+            ConfigError::TooLong {
+                what: "retention",
+                ..
+            }
+        ));
+        assert!(layer().with_in_flight_wait(Duration::MAX).is_err());
+        assert!(layer().with_claim_retries(3, Duration::MAX).is_err());
         // The defaults: a quarter of the pool may wait, and the body's
         // representation headers are recorded.
         let l = layer();

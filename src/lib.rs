@@ -254,14 +254,15 @@ pub use body::IdempotencyBody;
 pub use classify::{Classification, ResourceId};
 pub use config::ConfigError;
 pub use expiry::{
-    DEFAULT_RETENTION, DEFAULT_TOMBSTONE_RETENTION, IDEMPOTENCY_KEY_EXPIRES, SweepReport, Sweeper,
+    DEFAULT_RETENTION, DEFAULT_TOMBSTONE_RETENTION, IDEMPOTENCY_KEY_EXPIRES, MAX_RETENTION,
+    SweepReport, Sweeper,
 };
 pub use fingerprint::{Fingerprint, FingerprintError, Normalizer};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyMode, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
 pub use outcome::IdempotencyOutcome;
 pub use problem::ProblemKind;
-pub use reconcile::{Reconciler, Resolution};
+pub use reconcile::{DEFAULT_STRANDED_AFTER, Reconciler, Resolution, ResolveError};
 pub use replay::IDEMPOTENT_REPLAYED;
 pub use scope::Principal;
 pub use service::{Idempotency, ResponseFuture};

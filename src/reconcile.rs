@@ -3,8 +3,14 @@
 //! In lease mode (see [`lease`](crate::lease)), a key's outcome is unknown
 //! when an external step's `recover` could not tell whether the step took
 //! effect: the record is parked as `NEEDS_RECONCILIATION` with its pending
-//! step named. Resolve it here once the provider's records say what
-//! happened; each resolution is fenced by the record's generation.
+//! step named. It is also unsettled when its attempt died mid-step and
+//! nobody retried (no completer serves its operation): the lease lapsed
+//! with the step pending. [`Reconciler::unresolved`] lists both, whatever
+//! operations the completers know, and records that lapsed long ago with
+//! nothing pending. Resolve them here once the provider's records say what
+//! happened (look the charge up by its [`StepKey`](crate::lease::StepKey));
+//! each verdict names the record's claim, and an operator's verdict is
+//! never dropped: it is recorded, or [`ResolveError`] says why not.
 //!
 //! A key's outcome is unknown when the handler ended the claimed transaction
 //! itself (ran `COMMIT` or `ROLLBACK` on the [`Tx`](crate::Tx), or DDL that
@@ -19,7 +25,7 @@
 //! # Example
 //!
 //! ```no_run
-//! # async fn f(pool: sqlx::PgPool) -> Result<(), sqlx::Error> {
+//! # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 //! use tower_idempotency::{Reconciler, Resolution};
 //!
 //! let reconciler = Reconciler::new(pool);
@@ -32,12 +38,14 @@
 //! # }
 //! ```
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use http::Response;
 use sqlx::Pool;
 
 use crate::replay::StoredResponse;
-use crate::store::{Backend, Completion, LeaseWrite, RecordStatus, Scope, UnresolvedRecord};
+use crate::store::{Backend, Completion, LeaseWrite, RecordStatus, UnresolvedRecord};
 
 /// How an operator settles a key whose outcome was unknown.
 #[derive(Debug, Clone)]
@@ -58,47 +66,140 @@ pub enum Resolution {
 
 /// Lists and resolves the keys whose outcome is unknown.
 ///
-/// Concurrency: each resolution is one conditional statement that only
-/// touches a row still unresolved, so two operators (or two instances)
-/// resolving the same key cannot both win; the loser is told `false`.
+/// Concurrency: each verdict is one conditional statement that only
+/// touches the record's claim while it is unsettled and no attempt holds
+/// it, so two operators (or two instances) resolving the same key cannot
+/// both win; the loser is told why ([`ResolveError`]), never a lost race
+/// when there was none.
 #[derive(Debug, Clone)]
 pub struct Reconciler<DB: Backend> {
     pool: Pool<DB>,
+    stranded_after: Duration,
 }
+
+/// Why an operator's verdict was not recorded. Never returned for a verdict
+/// that was recorded; never a lost race when there was none.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum ResolveError {
+    /// The record was settled first (by the completer, a client's retry, or
+    /// another operator): it is now `status`, and retries replay that.
+    Settled {
+        /// The record's status now.
+        status: RecordStatus,
+    },
+    /// There is no such record any more (resolved with `Rerun` and run
+    /// again, or purged), or the key was claimed again by a new request.
+    Gone,
+    /// An attempt (a client's retry or a completer pass) holds the record's
+    /// lease right now, and may still record the outcome itself. List
+    /// again after `retry_after`, and resolve then if it is still listed.
+    Held {
+        /// How long the lease still runs.
+        retry_after: Duration,
+    },
+    /// The record is unsettled but no longer as listed: an attempt took it
+    /// over (and let it go) since, at `generation`. Its state may have
+    /// moved on: list it again and decide on what it is now.
+    Changed {
+        /// The record's generation now.
+        generation: i64,
+    },
+    /// The store failed.
+    Store(sqlx::Error),
+}
+
+impl std::fmt::Display for ResolveError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Settled { status } => write!(
+                f,
+                "the record was settled first; it is {} now",
+                status.as_str()
+            ),
+            Self::Gone => f.write_str("the record no longer exists (rerun, or purged)"),
+            Self::Held { retry_after } => write!(
+                f,
+                "an attempt holds the record's lease for {retry_after:?} more; list it again then"
+            ),
+            Self::Changed { generation } => write!(
+                f,
+                "the record was taken over since it was listed (generation {generation} now); list it again"
+            ),
+            Self::Store(e) => write!(f, "ledger: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for ResolveError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Store(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<sqlx::Error> for ResolveError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Store(e)
+    }
+}
+
+/// How long a lapsed lease-mode record with nothing pending may wait for a
+/// retry or a completer before it is listed as stranded: one hour.
+pub const DEFAULT_STRANDED_AFTER: Duration = Duration::from_secs(60 * 60);
 
 impl<DB: Backend> Reconciler<DB> {
     /// A reconciler for the ledger in `pool`.
     pub fn new(pool: Pool<DB>) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            stranded_after: DEFAULT_STRANDED_AFTER,
+        }
     }
 
-    /// At most `limit` unresolved records, oldest first: committed
-    /// `PROCESSING` rows (stranded, when marking them failed) and
-    /// `NEEDS_RECONCILIATION` rows.
+    /// Lists lease-mode records whose lease lapsed this long ago with no
+    /// step pending (nobody retried, no completer serves them) as stranded
+    /// (default [`DEFAULT_STRANDED_AFTER`]). Records that lapsed with a
+    /// step pending are listed at once.
+    #[must_use]
+    pub fn with_stranded_after(mut self, age: Duration) -> Self {
+        self.stranded_after = age;
+        self
+    }
+
+    /// At most `limit` records whose outcome is not settled, oldest
+    /// first, whatever operations the completers serve: parked
+    /// (`NEEDS_RECONCILIATION`) records; committed `PROCESSING` rows of the
+    /// default mode (the handler ended the claimed transaction); and
+    /// lease-mode records whose lease lapsed with a step pending (a charge
+    /// may be taken and nobody retried), or lapsed longer ago than
+    /// [`with_stranded_after`](Self::with_stranded_after).
     pub async fn unresolved(&self, limit: u32) -> Result<Vec<UnresolvedRecord>, sqlx::Error> {
-        DB::list_unresolved(&self.pool, i64::from(limit)).await
+        let stranded_ms = crate::expiry::millis(self.stranded_after);
+        DB::list_unresolved(&self.pool, i64::from(limit), stranded_ms).await
     }
 
-    /// Settles `record`; `Ok(false)` when it was no longer unresolved
-    /// (someone else resolved it first).
+    /// Settles `record` as listed. The verdict is one conditional statement
+    /// on the record's claim: it is recorded on a parked record (whatever
+    /// completer passes did to it since the listing), or on a stranded one
+    /// still at the listed generation with its lease lapsed; any earlier
+    /// owner of the record is fenced out by it. Otherwise nothing is
+    /// written and the error says why: settled first (and what it is now),
+    /// gone, held by an attempt right now (list again after its lease), or
+    /// [`ResolveError::Changed`].
     pub async fn resolve(
         &self,
         record: &UnresolvedRecord,
         resolution: Resolution,
-    ) -> Result<bool, sqlx::Error> {
-        let scope = Scope {
-            principal: &record.principal,
-            operation: &record.operation,
-            key: &record.key,
-        };
-        let lease = record.generation;
+    ) -> Result<(), ResolveError> {
         let (status, response) = match resolution {
             Resolution::Succeeded(res) => (RecordStatus::Succeeded, res),
             Resolution::Failed(res) => (RecordStatus::FailedFinal, res),
-            Resolution::Rerun if lease > 0 => {
-                return DB::lease_write(&self.pool, &scope, lease, &LeaseWrite::Rerun).await;
+            Resolution::Rerun => {
+                return self.verdict(record, &LeaseWrite::Rerun).await;
             }
-            Resolution::Rerun => return Ok(DB::resolve(&self.pool, &scope, None).await? == 1),
         };
         let (parts, body) = response.into_parts();
         let names: Vec<_> = parts.headers.keys().cloned().collect();
@@ -110,10 +211,39 @@ impl<DB: Backend> Reconciler<DB> {
             response_body: &stored.body,
             resource_id: None,
         };
-        if lease > 0 {
-            let write = LeaseWrite::Resolve(&completion);
-            return DB::lease_write(&self.pool, &scope, lease, &write).await;
+        self.verdict(record, &LeaseWrite::Resolve(&completion))
+            .await
+    }
+
+    /// Writes a verdict; when it matched nothing, reads the record to say
+    /// why.
+    async fn verdict(
+        &self,
+        record: &UnresolvedRecord,
+        write: &LeaseWrite<'_>,
+    ) -> Result<(), ResolveError> {
+        let scope = record.scope();
+        if DB::lease_write(&self.pool, &scope, record.fence(), write).await? {
+            return Ok(());
         }
-        Ok(DB::resolve(&self.pool, &scope, Some(&completion)).await? == 1)
+        let Some(now) = DB::fetch(&self.pool, &scope).await? else {
+            return Err(ResolveError::Gone);
+        };
+        if now.status.is_terminal() || now.status == RecordStatus::Expired {
+            return Err(ResolveError::Settled { status: now.status });
+        }
+        match now.lease {
+            Some(lease) if lease.claim_id != record.claim_id => Err(ResolveError::Gone),
+            Some(lease) if lease.live => Err(ResolveError::Held {
+                retry_after: HELD_RETRY,
+            }),
+            Some(lease) => Err(ResolveError::Changed {
+                generation: lease.generation,
+            }),
+            None => Err(ResolveError::Changed { generation: 0 }),
+        }
     }
 }
+
+/// How soon to look again at a record an attempt holds.
+const HELD_RETRY: Duration = Duration::from_secs(1);

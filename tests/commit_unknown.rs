@@ -249,7 +249,7 @@ async fn lease_mode_final_commit_that_landed_unheard_answers_the_success() {
     let (h, relay) = through_relay(Harness::<sqlx::Postgres>::new().await).await;
     let app = h
         .pay_app(
-            LeaseMode::new(Duration::from_secs(30)),
+            LeaseMode::new(Duration::from_secs(30)).expect("a usable lease"),
             Duration::from_secs(2),
         )
         .await;

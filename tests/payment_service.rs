@@ -926,19 +926,19 @@ async fn g_unknown_outcome_parks_until_an_operator_reruns<DB: TestDb>() {
     assert_eq!(record.operation, "POST /payments");
     let charges = w.provider.charges().await;
     assert_eq!(charges.len(), 1, "the provider's listing shows the charge");
-    assert!(reconciler.resolve(record, Resolution::Rerun).await.unwrap());
-    // Each resolution is fenced: a second one (another operator) loses.
-    assert!(!reconciler.resolve(record, Resolution::Rerun).await.unwrap());
+    reconciler.resolve(record, Resolution::Rerun).await.unwrap();
+    // Each resolution is fenced: a second one (another operator) loses,
+    // and says why.
+    let again = reconciler.resolve(record, Resolution::Rerun).await;
+    assert!(again.is_err(), "{again:?}");
     let by_hand = http::Response::builder()
         .status(StatusCode::CREATED)
         .body(Bytes::from_static(b"{}"))
         .unwrap();
-    assert!(
-        !reconciler
-            .resolve(record, Resolution::Succeeded(by_hand))
-            .await
-            .unwrap()
-    );
+    let late = reconciler
+        .resolve(record, Resolution::Succeeded(by_hand))
+        .await;
+    assert!(late.is_err(), "{late:?}");
     // The look-up is still down; the rerun does not need it.
     let retry = s.pay(KEY).await;
     assert!(!retry.replayed(), "{retry:?}");

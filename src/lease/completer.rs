@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http::{HeaderName, Response};
 use sqlx::Pool;
 
-use super::settle::{ReleaseOnDrop, settle};
+use super::settle::{ReleaseOnDrop, park_unreadable, settle};
 use super::{LeaseMode, Leased};
 use crate::classify::Classification;
 use crate::outcome::IdempotencyOutcome;
@@ -80,7 +80,7 @@ impl<DB: Backend> Completer<DB> {
             mode,
             isolation: IsolationLevel::default(),
             batch: 16,
-            attempt_timeout: mode.lease.max(mode.step_timeout) * 4,
+            attempt_timeout: mode.lease.max(mode.step_timeout).saturating_mul(4),
             recorded_headers: crate::config::default_recorded_headers(),
             resumers: HashMap::new(),
         }
@@ -93,9 +93,14 @@ impl<DB: Backend> Completer<DB> {
     /// must have been saved by a phase. Its answer is recorded as a
     /// handler's is. A record whose first attempt died before its first
     /// phase has nothing saved: answer a rejection (such as `422`) and the
-    /// claim is deleted, so the client's retry runs afresh. A resume
-    /// function that panics or times out ends its lease and is tried again
-    /// at a later pass.
+    /// claim is deleted, so the client's retry runs afresh. But first look
+    /// at [`Leased::pending_step`]: a step that may have run must be run
+    /// again (its `recover` runs first), or answered with a transient
+    /// failure; a final answer (or a rejection) over it is refused and the
+    /// record is parked for an operator. A resume function that panics or
+    /// times out ends its lease and is tried again at a later pass. A
+    /// record whose saved data cannot be read is parked for an operator
+    /// and never taken again.
     #[must_use]
     pub fn resume<F, Fut>(mut self, operation: &str, resume: F) -> Self
     where
@@ -157,30 +162,27 @@ impl<DB: Backend> Completer<DB> {
             };
             let parked = record.status == RecordStatus::NeedsReconciliation;
             let lease_ms = self.mode.lease_ms();
-            if !DB::take_over(&self.pool, &scope, record.generation, lease_ms, parked).await? {
+            if !DB::take_over(&self.pool, &scope, record.fence(), lease_ms, parked).await? {
                 continue;
             }
             report.taken_over += 1;
             let generation = record.generation + 1;
-            let saved = DB::fetch(&self.pool, &scope).await?.and_then(|r| r.lease);
-            if saved.as_ref().map(|s| s.generation) != Some(generation) {
+            let Some(saved) = DB::fetch(&self.pool, &scope).await?.and_then(|r| r.lease) else {
+                continue;
+            };
+            if saved.generation != generation || saved.claim_id != record.claim_id {
                 // Taken over again in between (a client's retry): theirs.
                 continue;
             }
-            let leased = match Leased::new(
-                self.pool.clone(),
-                &scope,
-                generation,
-                self.mode,
-                self.isolation,
-                saved.as_ref(),
-            ) {
-                Ok(leased) => leased,
-                Err(e) => {
-                    tracing::error!(error = %e, "a leased record's saved data cannot be read");
-                    continue;
-                }
-            };
+            let leased =
+                match Leased::new(self.pool.clone(), &scope, self.mode, self.isolation, &saved) {
+                    Ok(leased) => leased,
+                    Err(e) => {
+                        park_unreadable(&self.pool, &scope, saved.fence(), &e).await?;
+                        report.parked += 1;
+                        continue;
+                    }
+                };
             tracing::info!(generation, "completer resuming an abandoned record");
             match self.attempt(resume, leased).await {
                 Some(IdempotencyOutcome::Executed(

@@ -1,5 +1,6 @@
 //! [`Leased`]: what a lease-mode handler works with, and its [`Phase`]s.
 
+use std::collections::HashSet;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -9,7 +10,7 @@ use serde_json::{Map, Value};
 use sqlx::{Pool, Transaction};
 
 use super::{LeaseError, LeaseMode};
-use crate::store::{Backend, IsolationLevel, LeaseState, LeaseWrite, Scope};
+use crate::store::{Backend, Fence, IsolationLevel, LeaseState, LeaseWrite, Scope};
 use crate::tx::Tx;
 
 /// The lease an attempt holds on its key: the handler's context in lease
@@ -46,6 +47,14 @@ pub(crate) struct Inner<DB: Backend> {
     pub(crate) operation: String,
     pub(crate) key: String,
     pub(crate) generation: i64,
+    /// The claim's id as stored (`None` for a row claimed before the
+    /// ledger stored it): the fence names it.
+    pub(crate) claim_id: Option<String>,
+    /// What every step key mixes in: the claim id (or, for an older row,
+    /// the one its saved data holds).
+    pub(crate) step_seed: String,
+    /// How often the row was parked before this attempt took it.
+    pub(crate) parks: i64,
     pub(crate) mode: LeaseMode,
     pub(crate) isolation: IsolationLevel,
     state: Mutex<State>,
@@ -68,37 +77,51 @@ pub(crate) struct State {
     pub(crate) stepping: bool,
     /// Phases open now (including the final phase once begun).
     pub(crate) phases: usize,
+    /// The step names this attempt began (each runs once per attempt).
+    pub(crate) steps: HashSet<String>,
 }
 
 impl<DB: Backend> Leased<DB> {
-    /// The context of the attempt that holds `scope` at `generation`, with
-    /// the row's saved state (`None` for a fresh claim).
+    /// The context of the attempt that holds `scope` as `saved` says (its
+    /// generation, claim and saved state). Saved data that cannot be
+    /// decoded is [`LeaseError::Data`]: the caller parks the row.
     pub(crate) fn new(
         pool: Pool<DB>,
         scope: &Scope<'_>,
-        generation: i64,
         mode: LeaseMode,
         isolation: IsolationLevel,
-        saved: Option<&LeaseState>,
+        saved: &LeaseState,
     ) -> Result<Self, LeaseError> {
-        let mut state = State::default();
-        if let Some(saved) = saved {
-            state.point = saved.recovery_point.clone();
-            state.pending = saved.pending_step.clone();
-            if let Some(data) = &saved.recovery_data {
-                state.data = serde_json::from_slice(data).map_err(LeaseError::Data)?;
-            }
-            state.progressed = state.point.is_some()
-                || state.pending.is_some()
-                || state.data.keys().any(|k| k != super::CLAIM_ID);
+        let mut state = State {
+            point: saved.recovery_point.clone(),
+            pending: saved.pending_step.clone(),
+            ..State::default()
+        };
+        if let Some(data) = &saved.recovery_data {
+            state.data = serde_json::from_slice(data).map_err(LeaseError::Data)?;
         }
+        state.progressed = state.point.is_some()
+            || state.pending.is_some()
+            || state.data.keys().any(|k| k != super::CLAIM_ID);
+        let step_seed = match &saved.claim_id {
+            Some(id) => id.clone(),
+            None => state
+                .data
+                .get(super::CLAIM_ID)
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 pool,
                 principal: scope.principal.to_owned(),
                 operation: scope.operation.to_owned(),
                 key: scope.key.to_owned(),
-                generation,
+                generation: saved.generation,
+                claim_id: saved.claim_id.clone(),
+                step_seed,
+                parks: saved.parks,
                 mode,
                 isolation,
                 state: Mutex::new(state),
@@ -133,6 +156,15 @@ impl<DB: Backend> Leased<DB> {
     /// name), `None` before the first one.
     pub fn recovery_point(&self) -> Option<String> {
         self.state().point.clone()
+    }
+
+    /// The external step that may have run in an earlier attempt and whose
+    /// outcome is not recorded (`None` when there is none). A resume
+    /// function that finds one must run that step (its `recover` runs
+    /// first) or answer a transient failure: a final answer over it parks
+    /// the record for an operator, since the effect may have happened.
+    pub fn pending_step(&self) -> Option<String> {
+        self.state().pending.clone()
     }
 
     /// What the phase or step `point` saved, if it committed.
@@ -188,6 +220,14 @@ impl<DB: Backend> Leased<DB> {
         }
     }
 
+    /// What this attempt's writes name: its claim and generation.
+    pub(crate) fn fence(&self) -> Fence<'_> {
+        Fence {
+            generation: self.inner.generation,
+            claim: self.inner.claim_id.as_deref(),
+        }
+    }
+
     pub(crate) fn scope(&self) -> Scope<'_> {
         Scope {
             principal: &self.inner.principal,
@@ -214,8 +254,7 @@ impl<DB: Backend> Leased<DB> {
 
     /// One fenced write committed on its own.
     pub(crate) async fn write(&self, write: &LeaseWrite<'_>) -> Result<(), LeaseError> {
-        let generation = self.inner.generation;
-        if DB::lease_write(&self.inner.pool, &self.scope(), generation, write).await? {
+        if DB::lease_write(&self.inner.pool, &self.scope(), self.fence(), write).await? {
             Ok(())
         } else {
             self.state().lost = true;
@@ -258,6 +297,7 @@ impl<DB: Backend> Leased<DB> {
         point: &str,
         value: Option<Value>,
     ) -> Result<(), LeaseError> {
+        super::check_name(point)?;
         let (data, encoded) = self.data_with(Some(point), value)?;
         let write = LeaseWrite::Progress {
             point: Some(point),
@@ -266,7 +306,7 @@ impl<DB: Backend> Leased<DB> {
             lease_ms: self.inner.mode.lease_ms(),
         };
         let pool = &self.inner.pool;
-        let committed = DB::commit_fenced(pool, tx, &self.scope(), self.inner.generation, &write)
+        let committed = DB::commit_fenced(pool, tx, &self.scope(), self.fence(), &write)
             .await
             .map_err(|e| LeaseError::Store(e.into_inner()))?;
         if committed.is_none() {

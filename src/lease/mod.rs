@@ -191,6 +191,8 @@
 
 use std::time::Duration;
 
+use crate::config::{ConfigError, at_most};
+
 mod completer;
 mod context;
 pub(crate) mod settle;
@@ -198,21 +200,45 @@ mod step;
 
 pub use completer::{Completer, CompleterReport};
 pub use context::{Leased, Phase};
-pub use step::{Recovered, StepError, StepKey};
+pub use step::{CallError, Recovered, StepError, StepKey};
 
-/// The saved data a lease claim starts with: a random claim id (128 bits)
-/// under the reserved name `~claim`, which every [`StepKey`] mixes in, so a
-/// key used again after its record was purged never meets its old steps.
-pub(crate) fn claim_data() -> String {
-    let id = format!(
+/// The longest step or recovery point name, in bytes (the ledger's
+/// `pending_step` and `recovery_point` columns hold 255 on MySQL).
+pub const MAX_NAME_LEN: usize = 255;
+
+/// Checks a step or recovery point name against the one limit of every
+/// store (see [`LeaseError::InvalidName`]).
+pub(crate) fn check_name(name: &str) -> Result<(), LeaseError> {
+    let why = if name.is_empty() {
+        "empty"
+    } else if name.len() > MAX_NAME_LEN {
+        "longer than 255 bytes"
+    } else if name.chars().any(char::is_control) {
+        "contains a control character"
+    } else if name.starts_with('~') {
+        "names starting with '~' are reserved"
+    } else {
+        return Ok(());
+    };
+    Err(LeaseError::InvalidName {
+        name: name.to_owned(),
+        why,
+    })
+}
+
+/// A new claim's random id (128 bits, hex): every fenced write names it,
+/// and every [`StepKey`] mixes it in, so a key used again after its record
+/// was deleted or purged never meets its old owner or its old steps.
+pub(crate) fn new_claim_id() -> String {
+    format!(
         "{:016x}{:016x}",
         crate::random::random_u64(),
         crate::random::random_u64()
-    );
-    format!(r#"{{"{CLAIM_ID}":"{id}"}}"#)
+    )
 }
 
-/// The reserved name of the claim id in the saved data.
+/// Where rows claimed before the ledger stored claim ids keep theirs: in
+/// the saved data, under this reserved name.
 pub(crate) const CLAIM_ID: &str = "~claim";
 
 /// The settings of lease mode; see the [module docs](self).
@@ -226,20 +252,25 @@ impl LeaseMode {
     /// Leases of `lease` (renewed by every phase, and every third of the
     /// lease while a step runs); steps time out after `lease` too.
     ///
-    /// A lease shorter than a millisecond is one millisecond.
-    pub fn new(lease: Duration) -> Self {
-        let lease = lease.max(Duration::from_millis(1));
-        Self {
+    /// A lease shorter than a millisecond is one millisecond; one longer
+    /// than [`MAX_LEASE`] is refused ([`ConfigError::TooLong`]): the lease
+    /// is how long a crashed attempt blocks its key, and it becomes SQL
+    /// arithmetic on the database's clock.
+    pub fn new(lease: Duration) -> Result<Self, ConfigError> {
+        let lease = at_most(lease, MAX_LEASE, "lease")?.max(Duration::from_millis(1));
+        Ok(Self {
             lease,
             step_timeout: lease,
-        }
+        })
     }
 
     /// The longest one `execute` or `recover` call may run (default: the
     /// lease). Past it the call counts as failed with an unknown outcome.
-    pub fn with_step_timeout(mut self, timeout: Duration) -> Self {
-        self.step_timeout = timeout.max(Duration::from_millis(1));
-        self
+    /// At least a millisecond, at most [`MAX_LEASE`].
+    pub fn with_step_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
+        self.step_timeout =
+            at_most(timeout, MAX_LEASE, "step_timeout")?.max(Duration::from_millis(1));
+        Ok(self)
     }
 
     pub(crate) fn lease_ms(&self) -> i64 {
@@ -250,9 +281,16 @@ impl LeaseMode {
 impl Default for LeaseMode {
     /// A 30 second lease.
     fn default() -> Self {
-        Self::new(Duration::from_secs(30))
+        let lease = Duration::from_secs(30);
+        Self {
+            lease,
+            step_timeout: lease,
+        }
     }
 }
+
+/// The longest lease and step timeout [`LeaseMode`] takes: one day.
+pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Why a lease-mode write did not happen.
 #[derive(Debug)]
@@ -264,8 +302,18 @@ pub enum LeaseError {
     /// A step's outcome could not be established: the record is parked as
     /// `NEEDS_RECONCILIATION`, and the layer answers `503 #reconciling`.
     Reconciling,
-    /// The phase API was misused (a second final phase).
+    /// The phase API was misused (a second final phase, a step name used
+    /// twice in one attempt, a step inside a phase).
     Misuse(&'static str),
+    /// A step or recovery point name the ledger cannot hold: empty, over
+    /// [`MAX_NAME_LEN`] bytes, with a control character, or starting with
+    /// `~` (reserved). Refused before anything runs, on every store.
+    InvalidName {
+        /// The name as given.
+        name: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
     /// Saved data could not be encoded or decoded as JSON.
     Data(serde_json::Error),
     /// The store failed.
@@ -280,6 +328,10 @@ impl std::fmt::Display for LeaseError {
                 f.write_str("the step's outcome is unknown; parked for reconciliation")
             }
             Self::Misuse(what) => write!(f, "lease mode misuse: {what}"),
+            Self::InvalidName { name, why } => {
+                let shown: String = name.chars().take(40).collect();
+                write!(f, "step or point name {shown:?}: {why}")
+            }
             Self::Data(e) => write!(f, "saved data: {e}"),
             Self::Store(e) => write!(f, "ledger: {e}"),
         }
@@ -304,12 +356,53 @@ impl From<sqlx::Error> for LeaseError {
 
 #[cfg(feature = "axum")]
 impl axum::response::IntoResponse for LeaseError {
-    /// A `503`: the layer replaces it with the answer the record's state
-    /// calls for (`409 #lease-lost`, `503 #reconciling`), and a store
-    /// failure ends the lease so the retry resumes.
+    /// The problem document for the error (`409 #lease-lost`, `503
+    /// #reconciling`, or a `503` that ends the lease so the retry resumes);
+    /// the layer replaces it with the answer the record's state calls for.
+    /// A store error's own text is logged, never sent.
     fn into_response(self) -> axum::response::Response {
-        let mut res = axum::response::Response::new(axum::body::Body::from(self.to_string()));
-        *res.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
-        res
+        let (parts, body) = crate::problem::Problem::from(self)
+            .into_response()
+            .into_parts();
+        axum::response::Response::from_parts(parts, axum::body::Body::from(body))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_that_cannot_work_are_refused() {
+        // `now + lease` overflowed BIGINT on every claim.
+        assert!(matches!(
+            LeaseMode::new(Duration::MAX),
+            Err(ConfigError::TooLong { what: "lease", .. })
+        ));
+        assert!(LeaseMode::new(MAX_LEASE).is_ok());
+        let mode = LeaseMode::default();
+        assert!(mode.with_step_timeout(Duration::MAX).is_err());
+        assert_eq!(
+            mode.with_step_timeout(Duration::ZERO)
+                .map(|m| m.step_timeout),
+            Ok(Duration::from_millis(1))
+        );
+    }
+
+    #[test]
+    fn names_are_checked_against_one_limit() {
+        assert!(check_name("charge").is_ok());
+        assert!(check_name(&"s".repeat(MAX_NAME_LEN)).is_ok());
+        for bad in [
+            String::new(),
+            "s".repeat(MAX_NAME_LEN + 1),
+            "nul\0".to_string(),
+            "~claim".to_string(),
+        ] {
+            assert!(
+                matches!(check_name(&bad), Err(LeaseError::InvalidName { .. })),
+                "{bad:?}"
+            );
+        }
     }
 }

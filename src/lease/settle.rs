@@ -10,7 +10,7 @@ use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date};
 use crate::outcome::IdempotencyOutcome;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
-use crate::store::{Backend, Completion, FinishError, LeaseWrite, RecordStatus};
+use crate::store::{Backend, Completion, Fence, FinishError, LeaseWrite, RecordStatus, Scope};
 
 fn refused(problem: Problem, attempts: u32) -> (Response<Bytes>, IdempotencyOutcome) {
     let outcome = IdempotencyOutcome::Refused {
@@ -59,7 +59,25 @@ pub(crate) async fn settle<DB: Backend>(
         .copied()
         .unwrap_or_else(|| Classification::from_status(parts.status));
     let outcome = IdempotencyOutcome::Executed(class);
-    let progressed = leased.state().progressed;
+    let (progressed, pending) = {
+        let state = leased.state();
+        (state.progressed, state.pending.clone())
+    };
+    if let (Some(step), false) = (&pending, class == Classification::Transient) {
+        // A step that may have run and was not recovered: nothing final
+        // (an answer, a rejection, a deleted claim) may be written over
+        // it. Parked, so an operator (or a pass that runs the step) says
+        // what happened.
+        drop(final_tx);
+        tracing::error!(
+            step,
+            "the handler answered over a pending step it did not recover; parked"
+        );
+        return match leased.park(step, true).await {
+            LeaseError::Lost => refused(Problem::lease_lost(), 1),
+            _ => refused(Problem::reconciling(), 1),
+        };
+    }
     let status = match class {
         Classification::Success => RecordStatus::Succeeded,
         Classification::FinalFailure => RecordStatus::FailedFinal,
@@ -97,7 +115,7 @@ pub(crate) async fn settle<DB: Backend>(
     let committed = match tx {
         Ok(tx) => {
             let write = LeaseWrite::Complete(&completion);
-            DB::commit_fenced(&inner.pool, tx, &leased.scope(), inner.generation, &write).await
+            DB::commit_fenced(&inner.pool, tx, &leased.scope(), leased.fence(), &write).await
         }
         Err(e) => Err(FinishError::Store(e)),
     };
@@ -136,6 +154,20 @@ pub(crate) async fn settle<DB: Backend>(
     }
 }
 
+/// Parks a row taken over whose saved data cannot be read (written by
+/// another version, or by hand): no attempt can resume it, so it is left
+/// to an operator, and never listed for completers again.
+pub(crate) async fn park_unreadable<DB: Backend>(
+    pool: &sqlx::Pool<DB>,
+    scope: &Scope<'_>,
+    fence: Fence<'_>,
+    error: &LeaseError,
+) -> Result<(), sqlx::Error> {
+    tracing::error!(%error, "a leased record's saved data cannot be read; parked for an operator");
+    DB::lease_write(pool, scope, fence, &LeaseWrite::Park { retry_ms: None }).await?;
+    Ok(())
+}
+
 /// Ends the lease when an attempt is dropped or panics before it settled.
 pub(crate) struct ReleaseOnDrop<DB: Backend> {
     leased: Option<Leased<DB>>,
@@ -172,11 +204,20 @@ impl From<LeaseError> for Problem {
         match e {
             LeaseError::Lost => Problem::lease_lost(),
             LeaseError::Reconciling => Problem::reconciling(),
-            other => Problem::new(
-                ProblemKind::StoreUnavailable,
-                format!("lease mode: {other}; retry with the same key"),
-            )
-            .retry_after(1),
+            // Never the database's own words in an answer: they are logged.
+            other => {
+                tracing::warn!(error = %other, "lease mode failed; the client may retry");
+                let detail = match other {
+                    LeaseError::Store(_) => "the ledger could not be reached",
+                    LeaseError::Data(_) => "this key's saved state could not be read",
+                    _ => "the handler used lease mode wrongly",
+                };
+                Problem::new(
+                    ProblemKind::StoreUnavailable,
+                    format!("{detail}; retry with the same key"),
+                )
+                .retry_after(1)
+            }
         }
     }
 }

@@ -47,6 +47,38 @@ pub enum Recovered<T> {
     Unknown,
 }
 
+/// How an `execute` call failed. Any error converts into
+/// [`Uncertain`](Self::Uncertain) (so `?` works); say
+/// [`NotSent`](Self::NotSent) only when the request provably never left.
+#[derive(Debug)]
+pub enum CallError<E> {
+    /// The request may have reached the provider (a timeout, a reset, an
+    /// answer that could not be read, a 5xx): `recover` decides what
+    /// happened.
+    Uncertain(E),
+    /// The request provably never left this process: the connection was
+    /// refused, the name did not resolve, the client refused the request
+    /// before writing it. Nothing can have taken effect: the step is no
+    /// longer pending, the lease ends without parking, and the retry runs
+    /// the step.
+    NotSent(E),
+}
+
+impl<E> CallError<E> {
+    /// The error underneath.
+    pub fn into_inner(self) -> E {
+        match self {
+            Self::Uncertain(e) | Self::NotSent(e) => e,
+        }
+    }
+}
+
+impl<E> From<E> for CallError<E> {
+    fn from(e: E) -> Self {
+        Self::Uncertain(e)
+    }
+}
+
 /// Why a step gave no result.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -58,6 +90,10 @@ pub enum StepError<E> {
     Failed(E),
     /// `execute` timed out and `recover` proved nothing took effect.
     TimedOut,
+    /// `execute` failed before its request left ([`CallError::NotSent`]):
+    /// nothing took effect and nothing was looked up. Answer a 5xx: the
+    /// lease ends and the retry runs the step.
+    NotSent(E),
 }
 
 impl<E> From<LeaseError> for StepError<E> {
@@ -72,6 +108,7 @@ impl<E: std::fmt::Display> std::fmt::Display for StepError<E> {
             Self::Lease(e) => e.fmt(f),
             Self::Failed(e) => write!(f, "the step failed without effect: {e}"),
             Self::TimedOut => f.write_str("the step timed out without effect"),
+            Self::NotSent(e) => write!(f, "the step's request was never sent: {e}"),
         }
     }
 }
@@ -109,6 +146,22 @@ impl<DB: Backend> Drop for Stepping<DB> {
     }
 }
 
+/// How long a completer waits before retrying the look-up of a record
+/// parked `parks` times before: at once after the first park, then the
+/// lease, doubling with each park, at most an hour.
+fn park_backoff_ms(parks: i64, mode: super::LeaseMode) -> i64 {
+    if parks <= 0 {
+        return 0;
+    }
+    let doublings = u32::try_from(parks - 1).unwrap_or(u32::MAX).min(20);
+    mode.lease_ms()
+        .saturating_mul(1_i64 << doublings)
+        .min(MAX_PARK_BACKOFF_MS)
+}
+
+/// The longest back-off between a parked record's look-ups: an hour.
+const MAX_PARK_BACKOFF_MS: i64 = 60 * 60 * 1000;
+
 /// How the step's call ended.
 enum Call<T, E> {
     Ok(T),
@@ -121,19 +174,12 @@ type NoLookup<T, E> = fn(StepKey) -> Ready<Result<Recovered<T>, E>>;
 impl<DB: Backend> Leased<DB> {
     /// The [`StepKey`] of step `name` for this request.
     pub fn step_key(&self, name: &str) -> StepKey {
-        let claim = self
-            .state()
-            .data
-            .get(super::CLAIM_ID)
-            .and_then(|v| v.as_str())
-            .unwrap_or_default()
-            .to_owned();
         let mut h = Sha256::new();
         for part in [
             self.inner.principal.as_str(),
             self.inner.operation.as_str(),
             self.inner.key.as_str(),
-            claim.as_str(),
+            self.inner.step_seed.as_str(),
             name,
         ] {
             h.update((part.len() as u64).to_be_bytes());
@@ -166,7 +212,7 @@ impl<DB: Backend> Leased<DB> {
     where
         T: Serialize + DeserializeOwned,
         X: Fn(StepKey) -> XF,
-        XF: Future<Output = Result<T, E>>,
+        XF: Future<Output = Result<T, CallError<E>>>,
         R: Fn(StepKey) -> RF,
         RF: Future<Output = Result<Recovered<T>, E>>,
     {
@@ -185,7 +231,7 @@ impl<DB: Backend> Leased<DB> {
     where
         T: Serialize + DeserializeOwned,
         X: Fn(StepKey) -> XF,
-        XF: Future<Output = Result<T, E>>,
+        XF: Future<Output = Result<T, CallError<E>>>,
     {
         self.run_step(name, execute, None::<NoLookup<T, E>>).await
     }
@@ -199,11 +245,15 @@ impl<DB: Backend> Leased<DB> {
     where
         T: Serialize + DeserializeOwned,
         X: Fn(StepKey) -> XF,
-        XF: Future<Output = Result<T, E>>,
+        XF: Future<Output = Result<T, CallError<E>>>,
         R: Fn(StepKey) -> RF,
         RF: Future<Output = Result<Recovered<T>, E>>,
     {
         self.usable()?;
+        super::check_name(name)?;
+        if !self.state().steps.insert(name.to_owned()) {
+            return Err(LeaseError::Misuse("a step name is used once per attempt").into());
+        }
         if let Some(done) = self.saved::<T>(name)? {
             return Ok(done);
         }
@@ -243,7 +293,13 @@ impl<DB: Backend> Leased<DB> {
         }
         let failure = match self.bounded(execute(key.clone())).await {
             Call::Ok(result) => return self.finish_step(name, result).await,
-            Call::Err(e) => StepError::Failed(e),
+            Call::Err(CallError::NotSent(e)) => {
+                // Nothing left: the step is not pending, nothing to recover.
+                tracing::warn!(step = name, "an external step's request was never sent");
+                self.save(None, None).await?;
+                return Err(StepError::NotSent(e));
+            }
+            Call::Err(CallError::Uncertain(e)) => StepError::Failed(e),
             Call::TimedOut => StepError::TimedOut,
         };
         tracing::warn!(
@@ -285,13 +341,15 @@ impl<DB: Backend> Leased<DB> {
     }
 
     /// Parks the record as `NEEDS_RECONCILIATION`; the error to stop with.
-    /// `recoverable`: a completer may retry the step's look-up.
-    async fn park(&self, step: &str, recoverable: bool) -> LeaseError {
+    /// `recoverable`: a completer may retry the step's look-up (after a
+    /// back-off that grows with each park).
+    pub(crate) async fn park(&self, step: &str, recoverable: bool) -> LeaseError {
         tracing::error!(
             step,
             "the outcome of an external step is unknown; the key is parked for reconciliation"
         );
-        let parked = self.write(&LeaseWrite::Park { recoverable }).await;
+        let retry_ms = recoverable.then(|| park_backoff_ms(self.inner.parks, self.inner.mode));
+        let parked = self.write(&LeaseWrite::Park { retry_ms }).await;
         // Whether or not the park was heard back, this attempt stops here:
         // a later one finds the step pending (or parked) and recovers first.
         self.state().parked = true;
@@ -302,31 +360,62 @@ impl<DB: Backend> Leased<DB> {
     }
 
     /// Runs a call under the step timeout, renewing the lease every third
-    /// of it meanwhile (a renewal refused marks the attempt lost; the call
-    /// still runs to its end, bounded by the timeout).
+    /// of it meanwhile. A renewal runs beside the call, never in its way:
+    /// the call and its timeout keep running while a renewal waits on a
+    /// lock, and a renewal that cannot finish within a third of the lease
+    /// is given up (the lease may then lapse: the attempt's later writes
+    /// are fenced, so a takeover meanwhile is safe). A renewal refused
+    /// marks the attempt lost; the call still runs to its end. A renewal
+    /// still running when the call ends is stopped.
     async fn bounded<T, E>(&self, call: impl Future<Output = Result<T, E>>) -> Call<T, E> {
         let mut call = pin!(tokio::time::timeout(self.inner.mode.step_timeout, call));
         let period = (self.inner.mode.lease / 3).max(std::time::Duration::from_millis(1));
-        loop {
-            let mut tick = pin!(tokio::time::sleep(period));
-            let ended = std::future::poll_fn(|cx| match call.as_mut().poll(cx) {
-                Poll::Ready(out) => Poll::Ready(Some(out)),
-                Poll::Pending => tick.as_mut().poll(cx).map(|()| None),
-            })
-            .await;
-            match ended {
-                Some(Ok(Ok(out))) => return Call::Ok(out),
-                Some(Ok(Err(e))) => return Call::Err(e),
-                Some(Err(_)) => return Call::TimedOut,
-                None => {
-                    let renew = LeaseWrite::Renew {
-                        lease_ms: self.inner.mode.lease_ms(),
-                    };
-                    if let Err(e) = self.write(&renew).await {
-                        tracing::warn!(error = %e, "could not renew the lease during a step");
-                    }
+        let mut tick = pin!(tokio::time::sleep(period));
+        let mut renewal: Option<tokio::task::JoinHandle<()>> = None;
+        let ended = std::future::poll_fn(|cx| {
+            if let Poll::Ready(out) = call.as_mut().poll(cx) {
+                return Poll::Ready(out);
+            }
+            while tick.as_mut().poll(cx).is_ready() {
+                tick.as_mut().reset(tokio::time::Instant::now() + period);
+                // One renewal at a time: a tick while one still waits
+                // (bounded by its own timeout) starts none.
+                if renewal
+                    .as_ref()
+                    .is_none_or(tokio::task::JoinHandle::is_finished)
+                {
+                    renewal = Some(self.spawn_renewal(period));
                 }
             }
+            Poll::Pending
+        })
+        .await;
+        if let Some(renewal) = renewal {
+            renewal.abort();
         }
+        match ended {
+            Ok(Ok(out)) => Call::Ok(out),
+            Ok(Err(e)) => Call::Err(e),
+            Err(_) => Call::TimedOut,
+        }
+    }
+
+    /// One lease renewal as a task of its own (so its statement finishes
+    /// on its connection whatever becomes of the step), given up after
+    /// `bound`.
+    fn spawn_renewal(&self, bound: std::time::Duration) -> tokio::task::JoinHandle<()> {
+        let leased = self.clone();
+        tokio::spawn(async move {
+            let renew = LeaseWrite::Renew {
+                lease_ms: leased.inner.mode.lease_ms(),
+            };
+            match tokio::time::timeout(bound, leased.write(&renew)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "could not renew the lease during a step"),
+                Err(_) => {
+                    tracing::warn!("a lease renewal did not finish in time; the lease may lapse")
+                }
+            }
+        })
     }
 }

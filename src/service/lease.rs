@@ -17,12 +17,14 @@ use super::{
 };
 use crate::body::IdempotencyBody;
 use crate::expiry::millis;
-use crate::lease::claim_data;
-use crate::lease::settle::{ReleaseOnDrop, release, settle};
+use crate::lease::new_claim_id;
+use crate::lease::settle::{ReleaseOnDrop, park_unreadable, release, settle};
 use crate::lease::{LeaseMode, Leased};
 use crate::observe;
 use crate::problem::Problem;
-use crate::store::{Backend, Claim, LeaseState, RecordStatus};
+use crate::store::{
+    Backend, Claim, LeaseState, OwnedClaim, OwnedScope, Owning, RecordStatus, spawn_owning,
+};
 
 /// How a lease-mode claim ended.
 enum LeaseClaim<DB: Backend> {
@@ -77,29 +79,26 @@ impl<DB: Backend> Run<DB> {
                 lock_wait: left.clamp(Duration::from_millis(1), MIN_READ_WAIT),
                 isolation: cfg.isolation,
             };
-            let first = claim_data();
-            let won = within(
-                left,
-                DB::lease_claim(&self.pool, &claim, mode.lease_ms(), first.as_bytes()),
-            )
-            .await;
+            let claim_id = new_claim_id();
+            let owning = Owning::Claim {
+                claim: OwnedClaim::new(&claim),
+                lease_ms: mode.lease_ms(),
+                claim_id: claim_id.clone(),
+            };
+            let won = spawn_owning(self.pool.clone(), owning, left.max(MIN_READ_WAIT)).await;
             match won {
                 Ok(true) => {
                     let fresh = LeaseState {
                         generation: 1,
                         live: true,
                         recovery_point: None,
-                        recovery_data: Some(first.into_bytes()),
+                        recovery_data: None,
                         pending_step: None,
+                        claim_id: Some(claim_id),
+                        parks: 0,
                     };
-                    let fresh = Leased::new(
-                        self.pool.clone(),
-                        &id.scope,
-                        1,
-                        mode,
-                        cfg.isolation,
-                        Some(&fresh),
-                    );
+                    let fresh =
+                        Leased::new(self.pool.clone(), &id.scope, mode, cfg.isolation, &fresh);
                     return match fresh {
                         Ok(leased) => LeaseClaim::Won(leased),
                         Err(e) => LeaseClaim::Answer(refusal(Problem::from(e), attempts)),
@@ -147,14 +146,14 @@ impl<DB: Backend> Run<DB> {
         if lease.live {
             return Lookup::Wait;
         }
-        let took = DB::take_over(
-            &self.pool,
-            &id.scope,
-            lease.generation,
-            mode.lease_ms(),
-            false,
-        );
-        match within(wait, took).await {
+        let owning = Owning::TakeOver {
+            scope: OwnedScope::new(&id.scope),
+            generation: lease.generation,
+            claim_id: lease.claim_id.clone(),
+            lease_ms: mode.lease_ms(),
+            parked: false,
+        };
+        match spawn_owning(self.pool.clone(), owning, wait).await {
             Ok(true) => {}
             // Another attempt took it first: wait on its lease.
             Ok(false) => return Lookup::Wait,
@@ -167,22 +166,28 @@ impl<DB: Backend> Run<DB> {
             Ok(record) => record.and_then(|r| r.lease),
             Err(e) => return Lookup::Answer(refusal(store_problem::<DB>(&e), attempts)),
         };
-        if saved.as_ref().map(|s| s.generation) != Some(generation) {
+        let Some(saved) =
+            saved.filter(|s| s.generation == generation && s.claim_id == lease.claim_id)
+        else {
             // Taken over again in between: wait on the newer owner.
             return Lookup::Wait;
-        }
+        };
         tracing::info!(generation, "took over a lapsed lease; resuming");
-        let leased = Leased::new(
+        match Leased::new(
             self.pool.clone(),
             &id.scope,
-            generation,
             mode,
             self.config.isolation,
-            saved.as_ref(),
-        );
-        match leased {
+            &saved,
+        ) {
             Ok(leased) => Lookup::TookOver(leased),
-            Err(e) => Lookup::Answer(refusal(Problem::from(e), attempts)),
+            Err(e) => {
+                // Nothing can resume it: left to an operator.
+                if let Err(e) = park_unreadable(&self.pool, &id.scope, saved.fence(), &e).await {
+                    return Lookup::Answer(refusal(store_problem::<DB>(&e), attempts));
+                }
+                Lookup::Answer(refusal(Problem::reconciling(), attempts))
+            }
         }
     }
 

@@ -23,6 +23,21 @@ pub(crate) struct Dialect {
     pub(crate) now: &'static str,
 }
 
+/// What a fenced write names: the claim (its random id) and the
+/// generation of the attempt that holds it. A row deleted or purged and
+/// claimed again has a new claim id, so a fence taken on the earlier row
+/// never matches it, though both start at generation 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fence<'a> {
+    /// The generation held (1 at the claim, one more per takeover). For an
+    /// operator's verdict, the generation the record was listed at (0 for a
+    /// record of the default mode).
+    pub generation: i64,
+    /// The claim's id; `None` for a row claimed before the ledger stored
+    /// claim ids (it matches only such rows).
+    pub claim: Option<&'a str>,
+}
+
 /// A fenced write on a leased row. The owner's writes match only while the
 /// row is `PROCESSING` at the writer's generation; an operator's verdicts
 /// ([`Rerun`](Self::Rerun), [`Resolve`](Self::Resolve)) only while it is
@@ -57,25 +72,32 @@ pub enum LeaseWrite<'a> {
     /// at once; the row is `PROCESSING` at its last recovery point.
     Release,
     /// Parks the row as `NEEDS_RECONCILIATION` (its pending step kept, to
-    /// tell which outcome is unknown); it is never resumed on its own.
+    /// tell which outcome is unknown); it is never resumed on its own, and
+    /// counts one more park.
     Park {
-        /// Whether a completer pass may retry the step's look-up; a step
-        /// without one is left to an operator (the row is not listed for
+        /// When a completer pass may retry the step's look-up, milliseconds
+        /// from now; `None`: never (a step without a look-up, or saved data
+        /// that cannot be read: left to an operator, and not listed for
         /// completers at all).
-        recoverable: bool,
+        retry_ms: Option<i64>,
     },
-    /// An operator's verdict on a parked row: the pending step had no
-    /// effect. The row is `PROCESSING` again with its lease ended and no
-    /// pending step, so the next attempt resumes and runs the step.
-    /// Matches only a row still `NEEDS_RECONCILIATION` that no completer
-    /// pass holds, like [`Resolve`](Self::Resolve).
+    /// An operator's verdict: the pending step had no effect. A lease-mode
+    /// row is `PROCESSING` again with its lease ended, no pending step and
+    /// the generation moved on (any earlier owner is fenced out), so the
+    /// next attempt resumes and runs the step; a default-mode row is
+    /// deleted, so the key runs afresh. Matches only an unsettled row of
+    /// the claim named: parked, or (as listed, at the listed generation)
+    /// `PROCESSING` with its lease lapsed, like [`Resolve`](Self::Resolve).
     Rerun,
-    /// Records the answer, `SUCCEEDED` or `FAILED_FINAL`, and ends the lease.
+    /// Records the answer, `SUCCEEDED` or `FAILED_FINAL`, and ends the
+    /// lease. Retention counts from now.
     Complete(&'a Completion<'a>),
-    /// An operator's verdict on a parked row: records the answer as
-    /// [`Complete`](Self::Complete) does, but only while the row is still
-    /// `NEEDS_RECONCILIATION` and no completer pass holds it, so that of
-    /// two resolutions of one record exactly one wins.
+    /// An operator's verdict: records the answer as
+    /// [`Complete`](Self::Complete) does (moving the generation on, so an
+    /// earlier owner is fenced out), but only on an unsettled row of the
+    /// claim named that no attempt holds: parked, or `PROCESSING` with its
+    /// lease lapsed at the listed generation. Of two verdicts on one record
+    /// exactly one wins.
     Resolve(&'a Completion<'a>),
     /// Deletes the row: nothing was committed but the claim, and the key
     /// may be used again (a request the handler rejected).
@@ -95,18 +117,31 @@ pub struct LeaseRecord {
     pub status: RecordStatus,
     /// The generation seen; a takeover must name it.
     pub generation: i64,
+    /// The claim's id; a takeover names it too.
+    pub claim_id: Option<String>,
 }
 
-pub(crate) type LeaseRow = (String, String, String, String, i64);
+impl LeaseRecord {
+    /// The fence a takeover of the row as listed names.
+    pub fn fence(&self) -> Fence<'_> {
+        Fence {
+            generation: self.generation,
+            claim: self.claim_id.as_deref(),
+        }
+    }
+}
+
+pub(crate) type LeaseRow = (String, String, String, String, i64, Option<String>);
 
 pub(crate) fn lease_from_row(row: LeaseRow) -> Result<LeaseRecord, sqlx::Error> {
-    let (principal, operation, key, status, generation) = row;
+    let (principal, operation, key, status, generation, claim_id) = row;
     Ok(LeaseRecord {
         principal,
         operation,
         key,
         status: super::parse_status(&status)?,
         generation,
+        claim_id,
     })
 }
 
@@ -128,35 +163,67 @@ impl Dialect {
         )
     }
 
-    /// The fence: the scope, at the writer's generation, `PROCESSING`.
-    pub(crate) fn fenced(&self, scope: &Scope<'_>, generation: i64) -> String {
+    /// The scope and the claim: the row as it was claimed.
+    fn claimed(&self, scope: &Scope<'_>, claim: Option<&str>) -> String {
+        let claim = match claim {
+            Some(id) => format!("claim_id = {}", (self.key)(id)),
+            None => "claim_id IS NULL".to_string(),
+        };
+        format!("{} AND {claim}", self.scope(scope))
+    }
+
+    /// The fence: the claim, at the writer's generation, `PROCESSING`.
+    pub(crate) fn fenced(&self, scope: &Scope<'_>, fence: Fence<'_>) -> String {
         format!(
-            "{} AND generation = {generation} AND {OWNED}",
-            self.scope(scope)
+            "{} AND generation = {} AND {OWNED}",
+            self.claimed(scope, fence.claim),
+            fence.generation
         )
     }
 
-    /// A lease claim: `PROCESSING`, generation 1, leased for `lease_ms`.
-    /// `tail` is the backend's conflict clause.
+    /// An operator's fence: an unsettled row that no attempt holds. A
+    /// lease-mode row of the claim named, parked (at any generation:
+    /// completer passes move it between the listing and the verdict) or
+    /// `PROCESSING` with its lease lapsed at the listed generation; a
+    /// default-mode row `PROCESSING` or parked.
+    fn verdict(&self, scope: &Scope<'_>, fence: Fence<'_>) -> String {
+        if fence.generation == 0 {
+            return format!(
+                "{} AND generation = 0 AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
+                self.scope(scope)
+            );
+        }
+        format!(
+            "{} AND generation > 0 AND (status = 'NEEDS_RECONCILIATION' OR \
+             (status = 'PROCESSING' AND generation = {} AND locked_until <= {}))",
+            self.claimed(scope, fence.claim),
+            fence.generation,
+            self.now
+        )
+    }
+
+    /// A lease claim: `PROCESSING`, generation 1, the claim id, leased for
+    /// `lease_ms`. `tail` is the backend's conflict clause.
     pub(crate) fn claim(
         &self,
         claim: &Claim<'_>,
         lease_ms: i64,
-        data: &[u8],
+        claim_id: &str,
         tail: &str,
     ) -> String {
         format!(
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
              request_fingerprint, status, created_at, expires_at, generation, locked_until, \
-             recovery_data) \
-             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}, 1, {now} + {lease_ms}, {}) \
+             recovery_data, claim_id) \
+             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}, 1, {now} + {lease_ms}, {}, {}) \
              {tail}",
             (self.key)(claim.scope.principal),
             (self.key)(claim.scope.operation),
             (self.key)(claim.scope.key),
             (self.blob)(claim.fingerprint),
             claim.retention_ms,
-            (self.blob)(data),
+            (self.blob)(b"{}"),
+            (self.key)(claim_id),
             now = self.now,
         )
     }
@@ -167,27 +234,22 @@ impl Dialect {
     pub(crate) fn take_over(
         &self,
         scope: &Scope<'_>,
-        seen: i64,
+        seen: Fence<'_>,
         lease_ms: i64,
         parked: bool,
     ) -> String {
-        let also = if parked {
-            " OR (status = 'NEEDS_RECONCILIATION' AND (locked_until IS NULL OR locked_until <= "
+        let status = if parked {
+            "status IN ('PROCESSING', 'NEEDS_RECONCILIATION')"
         } else {
-            ""
+            OWNED
         };
         format!(
             "UPDATE idempotency_records SET generation = {}, locked_until = {now} + {lease_ms}, \
              status = 'PROCESSING' \
-             WHERE {} AND generation = {seen} AND ((status = 'PROCESSING' \
-             AND locked_until <= {now}){also}{close})",
-            seen.saturating_add(1),
-            self.scope(scope),
-            close = if parked {
-                format!("{}))", self.now)
-            } else {
-                String::new()
-            },
+             WHERE {} AND generation = {} AND {status} AND locked_until <= {now}",
+            seen.generation.saturating_add(1),
+            self.claimed(scope, seen.claim),
+            seen.generation,
             now = self.now,
         )
     }
@@ -196,26 +258,23 @@ impl Dialect {
     pub(crate) fn write(
         &self,
         scope: &Scope<'_>,
-        generation: i64,
+        fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> String {
-        let fence = match write {
-            // An operator's resolution: the row must still be parked (a
-            // `PROCESSING` row at the same generation is one resolved as
-            // `Rerun` already) and not held by a completer pass.
-            // The generation is not checked: completer passes take parked
-            // rows over (and give them back) between an operator's listing
-            // and their verdict, and the status alone tells the first
-            // resolution from a second.
-            // A completer pass turns the row `PROCESSING` while it works,
-            // so the status alone says no pass holds it.
+        let (fence, default_mode) = match write {
             LeaseWrite::Rerun | LeaseWrite::Resolve(_) => {
-                format!("{} AND status = 'NEEDS_RECONCILIATION'", self.scope(scope))
+                (self.verdict(scope, fence), fence.generation == 0)
             }
-            _ => self.fenced(scope, generation),
+            _ => (self.fenced(scope, fence), false),
         };
+        // Retention counts from the answer's recording: the row keeps its
+        // retention as the distance from `created_at` to `expires_at`.
+        let retain = format!("expires_at = {} + (expires_at - created_at)", self.now);
         let set = match write {
             LeaseWrite::Delete => return format!("DELETE FROM idempotency_records WHERE {fence}"),
+            LeaseWrite::Rerun if default_mode => {
+                return format!("DELETE FROM idempotency_records WHERE {fence}");
+            }
             LeaseWrite::Renew { lease_ms } => format!("locked_until = {} + {lease_ms}", self.now),
             LeaseWrite::Pending { step, lease_ms } => format!(
                 "pending_step = {}, locked_until = {} + {lease_ms}",
@@ -237,30 +296,41 @@ impl Dialect {
             ),
             LeaseWrite::Release => format!("locked_until = {}", self.now),
             LeaseWrite::Rerun => format!(
-                "status = 'PROCESSING', locked_until = {}, pending_step = NULL",
+                "status = 'PROCESSING', locked_until = {}, pending_step = NULL, \
+                 generation = generation + 1",
                 self.now
             ),
             // A row no completer can help is held out of their listing by
             // a lease that never ends (operators resolve it by status).
-            LeaseWrite::Park { recoverable } => format!(
-                "status = 'NEEDS_RECONCILIATION', locked_until = {}",
-                if *recoverable { "NULL" } else { NEVER }
+            LeaseWrite::Park { retry_ms } => format!(
+                "status = 'NEEDS_RECONCILIATION', parks = parks + 1, locked_until = {}",
+                retry_ms.map_or_else(|| NEVER.to_string(), |ms| format!("{} + {ms}", self.now))
             ),
-            LeaseWrite::Complete(c) | LeaseWrite::Resolve(c) => format!(
-                "status = '{}', response_status = {}, response_headers = {}, \
-                 response_body = {}, resource_id = {}, locked_until = NULL, pending_step = NULL",
-                c.status.as_str(),
-                c.response_status,
-                (self.blob)(c.response_headers),
-                (self.blob)(c.response_body),
-                c.resource_id.map_or_else(|| "NULL".to_string(), self.text),
-            ),
+            LeaseWrite::Complete(c) | LeaseWrite::Resolve(c) => {
+                let verdict = if matches!(write, LeaseWrite::Resolve(_)) && !default_mode {
+                    ", generation = generation + 1"
+                } else {
+                    ""
+                };
+                format!(
+                    "status = '{}', response_status = {}, response_headers = {}, \
+                     response_body = {}, resource_id = {}, locked_until = NULL, \
+                     pending_step = NULL, {retain}{verdict}",
+                    c.status.as_str(),
+                    c.response_status,
+                    (self.blob)(c.response_headers),
+                    (self.blob)(c.response_body),
+                    c.resource_id.map_or_else(|| "NULL".to_string(), self.text),
+                )
+            }
         };
         format!("UPDATE idempotency_records SET {set} WHERE {fence}")
     }
 
-    /// The rows of `operations` a completer may take over, oldest lease
-    /// first.
+    /// The rows of `operations` a completer may take over, the one due
+    /// longest first: lapsed leases, and parked rows whose back-off ended
+    /// (`locked_until` is never NULL on either, so every store orders them
+    /// alike).
     pub(crate) fn list(&self, operations: &[&str], limit: i64) -> String {
         let operations = operations
             .iter()
@@ -268,15 +338,38 @@ impl Dialect {
             .collect::<Vec<_>>()
             .join(", ");
         format!(
-            "SELECT {}, {}, {}, status, generation FROM idempotency_records \
-             WHERE generation > 0 AND operation IN ({operations}) \
-             AND ((status = 'PROCESSING' AND locked_until <= {now}) \
-             OR (status = 'NEEDS_RECONCILIATION' AND pending_step IS NOT NULL \
-             AND (locked_until IS NULL OR locked_until <= {now}))) \
+            "SELECT {}, {}, {}, status, generation, {} FROM idempotency_records \
+             WHERE locked_until <= {now} AND generation > 0 AND operation IN ({operations}) \
+             AND (status = 'PROCESSING' \
+             OR (status = 'NEEDS_RECONCILIATION' AND pending_step IS NOT NULL)) \
              ORDER BY locked_until LIMIT {limit}",
             (self.read_key)("principal_id"),
             (self.read_key)("operation"),
             (self.read_key)("idem_key"),
+            (self.read_key)("claim_id"),
+            now = self.now,
+        )
+    }
+
+    /// The records whose outcome is not settled, oldest first: parked
+    /// ones, committed `PROCESSING` rows of the default mode, and lease-mode
+    /// rows whose lease lapsed with a step pending, or more than
+    /// `stranded_ms` ago.
+    pub(crate) fn unresolved(&self, limit: i64, stranded_ms: i64) -> String {
+        format!(
+            "SELECT {}, {}, {}, status, response_status, created_at, generation, {}, {}, {}, \
+             locked_until FROM idempotency_records \
+             WHERE status = 'NEEDS_RECONCILIATION' \
+             OR (status = 'PROCESSING' AND generation = 0) \
+             OR (status = 'PROCESSING' AND generation > 0 AND locked_until <= {now} \
+             AND (pending_step IS NOT NULL OR locked_until <= {now} - {stranded_ms})) \
+             ORDER BY created_at LIMIT {limit}",
+            (self.read_key)("principal_id"),
+            (self.read_key)("operation"),
+            (self.read_key)("idem_key"),
+            (self.read_key)("pending_step"),
+            (self.read_key)("recovery_point"),
+            (self.read_key)("claim_id"),
             now = self.now,
         )
     }
@@ -340,6 +433,29 @@ macro_rules! list_leases {
     };
 }
 pub(crate) use list_leases;
+
+/// Stamps out `Backend::list_unresolved` for a backend whose `DIALECT` is
+/// in scope.
+macro_rules! list_unresolved {
+    () => {
+        async fn list_unresolved(
+            pool: &sqlx::Pool<Self>,
+            limit: i64,
+            stranded_ms: i64,
+        ) -> Result<Vec<$crate::store::UnresolvedRecord>, sqlx::Error> {
+            use sqlx::FromRow as _;
+            sqlx::raw_sql(sqlx::AssertSqlSafe(DIALECT.unresolved(limit, stranded_ms)))
+                .fetch_all(pool)
+                .await?
+                .iter()
+                .map(|row| {
+                    $crate::store::unresolved_from_row($crate::store::UnresolvedRow::from_row(row)?)
+                })
+                .collect()
+        }
+    };
+}
+pub(crate) use list_unresolved;
 
 /// Hex literal for SQLite and MySQL binary values.
 pub(crate) fn x_literal(value: &[u8]) -> String {

@@ -60,7 +60,7 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-pub use lease::{LeaseRecord, LeaseWrite};
+pub use lease::{Fence, LeaseRecord, LeaseWrite};
 pub(crate) use literal::hex;
 
 /// The identity of one logical request: who, which operation, which key.
@@ -142,8 +142,113 @@ pub(crate) fn spawn_claim<DB: Backend, H: Send + 'static>(
     async move { task.await.unwrap_or(Err(sqlx::Error::WorkerCrashed)) }
 }
 
+/// A lease statement that makes its caller the owner of a row: a fresh
+/// lease claim, or the takeover of a lapsed (or parked) lease.
+pub(crate) enum Owning {
+    /// [`Backend::lease_claim`] with a new claim id.
+    Claim {
+        claim: OwnedClaim,
+        lease_ms: i64,
+        claim_id: String,
+    },
+    /// [`Backend::take_over`] of the generation and claim seen.
+    TakeOver {
+        scope: OwnedScope,
+        generation: i64,
+        claim_id: Option<String>,
+        lease_ms: i64,
+        parked: bool,
+    },
+}
+
+/// Runs an [`Owning`] statement as a task of its own and waits for it at
+/// most `wait`. A caller that stops waiting (its deadline passed, or its
+/// future was dropped) never leaves a live lease without an owner behind:
+/// when the statement wins after nobody waits for it any more, the task
+/// ends the lease it won, so the next retry takes over at once. A wait
+/// that runs out is [`sqlx::Error::PoolTimedOut`].
+pub(crate) async fn spawn_owning<DB: Backend>(
+    pool: Pool<DB>,
+    owning: Owning,
+    wait: Duration,
+) -> Result<bool, sqlx::Error> {
+    let (answer, waiting) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (won, scope, generation, claim_id) = match &owning {
+            Owning::Claim {
+                claim,
+                lease_ms,
+                claim_id,
+            } => {
+                let c = claim.as_claim();
+                let won = DB::lease_claim(&pool, &c, *lease_ms, claim_id).await;
+                (won, c.scope, 1, Some(claim_id.as_str()))
+            }
+            Owning::TakeOver {
+                scope,
+                generation,
+                claim_id,
+                lease_ms,
+                parked,
+            } => {
+                let scope = scope.as_scope();
+                let seen = Fence {
+                    generation: *generation,
+                    claim: claim_id.as_deref(),
+                };
+                let won = DB::take_over(&pool, &scope, seen, *lease_ms, *parked).await;
+                (
+                    won,
+                    scope,
+                    generation.saturating_add(1),
+                    claim_id.as_deref(),
+                )
+            }
+        };
+        if let Err(Ok(true)) = answer.send(won) {
+            let fence = Fence {
+                generation,
+                claim: claim_id,
+            };
+            if let Err(e) = DB::lease_write(&pool, &scope, fence, &LeaseWrite::Release).await {
+                tracing::warn!(error = %e, "could not end a lease nobody waited for; it lapses");
+            }
+        }
+    });
+    match tokio::time::timeout(wait, waiting).await {
+        Ok(Ok(won)) => won,
+        Ok(Err(_)) => Err(sqlx::Error::WorkerCrashed),
+        Err(_) => Err(sqlx::Error::PoolTimedOut),
+    }
+}
+
+/// A scope, owned, for a task.
+pub(crate) struct OwnedScope {
+    principal: String,
+    operation: String,
+    key: String,
+}
+
+impl OwnedScope {
+    pub(crate) fn new(scope: &Scope<'_>) -> Self {
+        Self {
+            principal: scope.principal.to_owned(),
+            operation: scope.operation.to_owned(),
+            key: scope.key.to_owned(),
+        }
+    }
+
+    fn as_scope(&self) -> Scope<'_> {
+        Scope {
+            principal: &self.principal,
+            operation: &self.operation,
+            key: &self.key,
+        }
+    }
+}
+
 /// A claim's values, owned, for the task that runs the claim.
-struct OwnedClaim {
+pub(crate) struct OwnedClaim {
     principal: String,
     operation: String,
     key: String,
@@ -154,7 +259,7 @@ struct OwnedClaim {
 }
 
 impl OwnedClaim {
-    fn new(claim: &Claim<'_>) -> Self {
+    pub(crate) fn new(claim: &Claim<'_>) -> Self {
         Self {
             principal: claim.scope.principal.to_owned(),
             operation: claim.scope.operation.to_owned(),
@@ -269,6 +374,22 @@ pub struct LeaseState {
     /// An external step that may have run and whose outcome is not
     /// recorded.
     pub pending_step: Option<String>,
+    /// The random id of the claim that made the row (`None` for rows
+    /// claimed before the ledger stored it): with the generation, what
+    /// every fenced write names.
+    pub claim_id: Option<String>,
+    /// How often the row was parked (completer passes back off by it).
+    pub parks: i64,
+}
+
+impl LeaseState {
+    /// The fence of the attempt that holds this state.
+    pub fn fence(&self) -> Fence<'_> {
+        Fence {
+            generation: self.generation,
+            claim: self.claim_id.as_deref(),
+        }
+    }
 }
 
 /// The terminal state written on the claimed row before commit.
@@ -319,7 +440,9 @@ pub struct UnresolvedRecord {
     pub operation: String,
     /// The stored key (hashed with `with_hashed_keys`).
     pub key: String,
-    /// `PROCESSING` (stranded) or `NEEDS_RECONCILIATION`.
+    /// `PROCESSING` (stranded: the default mode's handler ended its
+    /// transaction, or a lease lapsed with a step pending or long ago) or
+    /// `NEEDS_RECONCILIATION`.
     pub status: RecordStatus,
     /// The status the handler answered, when known.
     pub response_status: Option<i32>,
@@ -329,6 +452,32 @@ pub struct UnresolvedRecord {
     pub generation: i64,
     /// Lease mode: the external step whose outcome is unknown.
     pub pending_step: Option<String>,
+    /// Lease mode: the last committed recovery point.
+    pub recovery_point: Option<String>,
+    /// Lease mode: the claim's id (what a verdict names with the
+    /// generation).
+    pub claim_id: Option<String>,
+    /// Lease mode: when the lease ends or ended (for a parked record, when
+    /// a completer may retry it), epoch milliseconds (database clock).
+    pub locked_until: Option<i64>,
+}
+
+impl UnresolvedRecord {
+    /// The fence a verdict on the record as listed names.
+    pub fn fence(&self) -> Fence<'_> {
+        Fence {
+            generation: self.generation,
+            claim: self.claim_id.as_deref(),
+        }
+    }
+
+    pub(crate) fn scope(&self) -> Scope<'_> {
+        Scope {
+            principal: &self.principal,
+            operation: &self.operation,
+            key: &self.key,
+        }
+    }
 }
 
 /// How a store error bears on the protocol.
@@ -499,24 +648,18 @@ pub trait Backend: Database {
         response_status: i32,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
-    /// Lists at most `limit` rows whose outcome is unknown, oldest first:
-    /// `NEEDS_RECONCILIATION` rows, and committed `PROCESSING` rows of the
-    /// default mode (generation 0; a lease-mode `PROCESSING` row is work in
-    /// progress, for the completer).
+    /// Lists at most `limit` rows whose outcome is not settled, oldest
+    /// first: `NEEDS_RECONCILIATION` rows, committed `PROCESSING` rows of
+    /// the default mode (generation 0), and lease-mode `PROCESSING` rows
+    /// whose lease lapsed with a step pending, or more than `stranded_ms`
+    /// ago. Operators' verdicts are [`lease_write`](Backend::lease_write)s
+    /// of [`LeaseWrite::Resolve`] or [`LeaseWrite::Rerun`] with the listed
+    /// record's fence.
     fn list_unresolved(
         pool: &Pool<Self>,
         limit: i64,
+        stranded_ms: i64,
     ) -> impl Future<Output = Result<Vec<UnresolvedRecord>, sqlx::Error>> + Send;
-
-    /// Resolves an unresolved row: `Some(completion)` records that answer,
-    /// `None` deletes the row so the key runs again. Only rows still
-    /// `PROCESSING` or `NEEDS_RECONCILIATION` are touched; returns the rows
-    /// changed.
-    fn resolve(
-        pool: &Pool<Self>,
-        scope: &Scope<'_>,
-        completion: Option<&Completion<'_>>,
-    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// Turns at most `limit` terminal rows (`SUCCEEDED`, `FAILED_FINAL`) whose
     /// `expires_at` is at or before `now` (epoch milliseconds; `None`: the
@@ -550,37 +693,38 @@ pub trait Backend: Database {
     // taken over: the fence is in the same statement as the write.
 
     /// Inserts and commits a lease claim: `PROCESSING`, generation 1,
-    /// `locked_until` = now + `lease_ms` (database clock). `Ok(false)` when
-    /// a row already holds the scope. Waits for another claimer's
-    /// uncommitted row at most about `claim.lock_wait`.
-    /// `data` is the row's first saved data (a JSON object).
+    /// `locked_until` = now + `lease_ms` (database clock), `claim_id`, no
+    /// saved data. `Ok(false)` when a row already holds the scope. Waits
+    /// for another claimer's uncommitted row at most about
+    /// `claim.lock_wait`.
     fn lease_claim(
         pool: &Pool<Self>,
         claim: &Claim<'_>,
         lease_ms: i64,
-        data: &[u8],
+        claim_id: &str,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
-    /// Takes over the scope's row at generation `seen` when its lease has
-    /// lapsed (or, with `parked`, when it is `NEEDS_RECONCILIATION` and
-    /// not leased): generation `seen + 1`, leased for `lease_ms`, in one
-    /// conditional statement. Of any number of concurrent takeovers of one
-    /// generation, at most one returns `Ok(true)`.
+    /// Takes over the scope's row of the claim and generation `seen` when
+    /// its lease has lapsed (or, with `parked`, when it is
+    /// `NEEDS_RECONCILIATION` and its back-off ended): generation `seen +
+    /// 1`, leased for `lease_ms`, in one conditional statement. Of any
+    /// number of concurrent takeovers of one generation, at most one
+    /// returns `Ok(true)`.
     fn take_over(
         pool: &Pool<Self>,
         scope: &Scope<'_>,
-        seen: i64,
+        seen: Fence<'_>,
         lease_ms: i64,
         parked: bool,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// One fenced write on its own (committed at once); `Ok(false)` when the
-    /// row is no longer at `generation` (or is settled). Lock waits are
-    /// bounded (a few seconds).
+    /// row is no longer the claim at the generation `fence` names (or is
+    /// settled). Lock waits are bounded (a few seconds).
     fn lease_write(
         pool: &Pool<Self>,
         scope: &Scope<'_>,
-        generation: i64,
+        fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
@@ -600,14 +744,15 @@ pub trait Backend: Database {
         pool: &Pool<Self>,
         tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
-        generation: i64,
+        fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> impl Future<Output = Result<Option<i64>, FinishError>> + Send;
 
     /// At most `limit` leased rows of `operations` a completer may take
-    /// over, the oldest lease first: `PROCESSING` with a lapsed lease, and
-    /// `NEEDS_RECONCILIATION` with a pending step whose outcome a completer
-    /// may still recover (parked as recoverable, not held by a pass).
+    /// over, the one due longest first: `PROCESSING` with a lapsed lease,
+    /// and `NEEDS_RECONCILIATION` with a pending step whose outcome a
+    /// completer may still recover (parked as recoverable, its back-off
+    /// ended).
     fn list_leases(
         pool: &Pool<Self>,
         operations: &[&str],
@@ -691,6 +836,8 @@ type RecordRow = (
     Option<String>,
     Option<Vec<u8>>,
     Option<String>,
+    Option<String>,
+    i64,
 );
 
 fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
@@ -708,6 +855,8 @@ fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
         recovery_point,
         recovery_data,
         pending_step,
+        claim_id,
+        parks,
     ) = row;
     let lease = (generation > 0).then_some(LeaseState {
         generation,
@@ -715,6 +864,8 @@ fn record_from_row(row: RecordRow) -> Result<Record, sqlx::Error> {
         recovery_point,
         recovery_data,
         pending_step,
+        claim_id,
+        parks,
     });
     Ok(Record {
         status: parse_status(&status)?,
@@ -743,11 +894,25 @@ type UnresolvedRow = (
     i64,
     i64,
     Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
 );
 
 fn unresolved_from_row(row: UnresolvedRow) -> Result<UnresolvedRecord, sqlx::Error> {
-    let (principal, operation, key, status, response_status, created_at, generation, pending_step) =
-        row;
+    let (
+        principal,
+        operation,
+        key,
+        status,
+        response_status,
+        created_at,
+        generation,
+        pending_step,
+        recovery_point,
+        claim_id,
+        locked_until,
+    ) = row;
     Ok(UnresolvedRecord {
         principal,
         operation,
@@ -757,6 +922,9 @@ fn unresolved_from_row(row: UnresolvedRow) -> Result<UnresolvedRecord, sqlx::Err
         created_at,
         generation,
         pending_step,
+        recovery_point,
+        claim_id,
+        locked_until,
     })
 }
 
@@ -764,8 +932,7 @@ fn unresolved_from_row(row: UnresolvedRow) -> Result<UnresolvedRecord, sqlx::Err
 /// given its SQL text. `$now` is the backend's SQL expression for the
 /// database clock in epoch milliseconds.
 macro_rules! shared_statements {
-    ($db:ty, fetch = $fetch:expr, mark = $mark:expr, list = $list:expr,
-     resolve = $resolve:expr, delete = $delete:expr,
+    ($db:ty, fetch = $fetch:expr, mark = $mark:expr,
      expire = $expire:expr, purge = $purge:expr $(,)?) => {
         async fn expire_batch(
             pool: &sqlx::Pool<$db>,
@@ -823,50 +990,6 @@ macro_rules! shared_statements {
                 .bind(claim.retention_ms)
                 .execute(pool)
                 .await?;
-            Ok(done.rows_affected())
-        }
-
-        async fn list_unresolved(
-            pool: &sqlx::Pool<$db>,
-            limit: i64,
-        ) -> Result<Vec<$crate::store::UnresolvedRecord>, sqlx::Error> {
-            sqlx::query_as::<_, $crate::store::UnresolvedRow>($list)
-                .bind(limit)
-                .fetch_all(pool)
-                .await?
-                .into_iter()
-                .map($crate::store::unresolved_from_row)
-                .collect()
-        }
-
-        async fn resolve(
-            pool: &sqlx::Pool<$db>,
-            scope: &$crate::store::Scope<'_>,
-            completion: Option<&$crate::store::Completion<'_>>,
-        ) -> Result<u64, sqlx::Error> {
-            let done = match completion {
-                Some(c) => {
-                    sqlx::query($resolve)
-                        .bind(c.status.as_str())
-                        .bind(c.response_status)
-                        .bind(c.response_headers)
-                        .bind(c.response_body)
-                        .bind(c.resource_id)
-                        .bind(scope.principal)
-                        .bind(scope.operation)
-                        .bind(scope.key)
-                        .execute(pool)
-                        .await?
-                }
-                None => {
-                    sqlx::query($delete)
-                        .bind(scope.principal)
-                        .bind(scope.operation)
-                        .bind(scope.key)
-                        .execute(pool)
-                        .await?
-                }
-            };
             Ok(done.rows_affected())
         }
     };

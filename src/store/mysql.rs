@@ -7,9 +7,9 @@ use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 use super::lease::{Dialect, commit_if_written, x_literal};
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, FinishError, IsolationLevel, LeaseWrite, Migration,
-    Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind, migrations,
-    release_savepoint, run_migrations, shared_statements,
+    Backend, Claim, ClaimOutcome, Completion, Fence, FinishError, IsolationLevel, LeaseWrite,
+    Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind,
+    migrations, release_savepoint, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds, in UTC arithmetic only (no
@@ -26,6 +26,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     2 => "0002_byte_scopes_and_reconciliation",
     3 => "0003_tombstone_purge_time",
     4 => "0004_lease_mode",
+    5 => "0005_claim_fence",
 );
 
 impl Backend for MySql {
@@ -186,7 +187,8 @@ impl Backend for MySql {
             " THEN 1 ELSE 0 END, generation, CASE WHEN locked_until > ",
             now_ms!(),
             " THEN 1 ELSE 0 END, CONVERT(recovery_point USING utf8mb4), recovery_data, \
-             CONVERT(pending_step USING utf8mb4) FROM idempotency_records \
+             CONVERT(pending_step USING utf8mb4), CONVERT(claim_id USING utf8mb4), \
+             CAST(parks AS SIGNED) FROM idempotency_records \
              WHERE principal_id = ? AND operation = ? AND idem_key = ?"
         ),
         // Assignments run left to right: response_status before status.
@@ -201,17 +203,6 @@ impl Backend for MySql {
              response_status = IF(status = 'PROCESSING', VALUES(response_status), response_status), \
              status = IF(status = 'PROCESSING', 'NEEDS_RECONCILIATION', status)"
         ),
-        list = "SELECT CONVERT(principal_id USING utf8mb4), CONVERT(operation USING utf8mb4), \
-                CONVERT(idem_key USING utf8mb4), status, response_status, created_at, generation, CONVERT(pending_step USING utf8mb4) \
-                FROM idempotency_records WHERE status = 'NEEDS_RECONCILIATION' \
-                OR (status = 'PROCESSING' AND generation = 0) ORDER BY created_at LIMIT ?",
-        resolve = "UPDATE idempotency_records SET status = ?, response_status = ?, \
-                   response_headers = ?, response_body = ?, resource_id = ? \
-                   WHERE principal_id = ? AND operation = ? AND idem_key = ? \
-                   AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
-        delete = "DELETE FROM idempotency_records \
-                  WHERE principal_id = ? AND operation = ? AND idem_key = ? \
-                  AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
         expire = concat!(
             "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
              response_body = NULL, expires_at = expires_at + ? \
@@ -234,10 +225,10 @@ impl Backend for MySql {
         pool: &Pool<Self>,
         claim: &Claim<'_>,
         lease_ms: i64,
-        data: &[u8],
+        claim_id: &str,
     ) -> Result<bool, sqlx::Error> {
         let secs = claim.lock_wait.as_secs_f64().round().clamp(1.0, 3600.0) as u64;
-        let sql = with_lock_wait(secs, &DIALECT.claim(claim, lease_ms, data, ""));
+        let sql = with_lock_wait(secs, &DIALECT.claim(claim, lease_ms, claim_id, ""));
         match execute(pool, sql).await {
             Ok(_) => Ok(true),
             Err(e)
@@ -253,7 +244,7 @@ impl Backend for MySql {
     async fn take_over(
         pool: &Pool<Self>,
         scope: &Scope<'_>,
-        seen: i64,
+        seen: Fence<'_>,
         lease_ms: i64,
         parked: bool,
     ) -> Result<bool, sqlx::Error> {
@@ -264,10 +255,10 @@ impl Backend for MySql {
     async fn lease_write(
         pool: &Pool<Self>,
         scope: &Scope<'_>,
-        generation: i64,
+        fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<bool, sqlx::Error> {
-        let sql = DIALECT.write(scope, generation, write);
+        let sql = DIALECT.write(scope, fence, write);
         Ok(execute(pool, with_lock_wait(LEASE_LOCK_WAIT_SECS, &sql)).await? == 1)
     }
 
@@ -286,16 +277,13 @@ impl Backend for MySql {
         _pool: &Pool<Self>,
         mut tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
-        generation: i64,
+        fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<Option<i64>, FinishError> {
         // The affected-row count is the count of rows found (sqlx asks for
         // found rows), so it says whether the fence matched.
         let written = async {
-            let sql = with_lock_wait(
-                LEASE_LOCK_WAIT_SECS,
-                &DIALECT.write(scope, generation, write),
-            );
+            let sql = with_lock_wait(LEASE_LOCK_WAIT_SECS, &DIALECT.write(scope, fence, write));
             let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
             if done.rows_affected() != 1 {
                 return Ok(None);
@@ -311,6 +299,7 @@ impl Backend for MySql {
     }
 
     super::lease::list_leases!();
+    super::lease::list_unresolved!();
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {

@@ -10,10 +10,9 @@ use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
 use super::lease::Dialect;
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, FinishError, IsolationLevel, LeaseWrite, Migration,
-    Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, UnresolvedRecord,
-    UnresolvedRow, generic_error_kind, migrations, record_from_row, release_savepoint,
-    run_migrations, unresolved_from_row,
+    Backend, Claim, ClaimOutcome, Completion, Fence, FinishError, IsolationLevel, LeaseWrite,
+    Migration, Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
+    generic_error_kind, migrations, record_from_row, release_savepoint, run_migrations,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).
@@ -29,6 +28,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     2 => "0002_byte_scopes_and_reconciliation",
     3 => "0003_hot_completion",
     4 => "0004_lease_mode",
+    5 => "0005_claim_fence",
 );
 
 impl Backend for Postgres {
@@ -151,7 +151,7 @@ impl Backend for Postgres {
              response_body, resource_id, expires_at, \
              CASE WHEN expires_at <= {now} THEN 1::INT8 ELSE 0::INT8 END, generation, \
              CASE WHEN locked_until > {now} THEN 1::INT8 ELSE 0::INT8 END, \
-             recovery_point, recovery_data, pending_step \
+             recovery_point, recovery_data, pending_step, claim_id, parks::INT8 \
              FROM idempotency_records WHERE {}",
             where_scope(scope),
             now = now_ms!(),
@@ -184,43 +184,6 @@ impl Backend for Postgres {
             claim.retention_ms,
             now = now_ms!(),
         );
-        execute(pool, sql).await
-    }
-
-    async fn list_unresolved(
-        pool: &Pool<Self>,
-        limit: i64,
-    ) -> Result<Vec<UnresolvedRecord>, sqlx::Error> {
-        let sql = format!(
-            "SELECT principal_id, operation, idem_key, status, response_status, created_at, generation, pending_step \
-             FROM idempotency_records WHERE status = 'NEEDS_RECONCILIATION' \
-             OR (status = 'PROCESSING' AND generation = 0) ORDER BY created_at LIMIT {limit}"
-        );
-        sqlx::raw_sql(AssertSqlSafe(sql))
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(|row| unresolved_from_row(UnresolvedRow::from_row(row)?))
-            .collect()
-    }
-
-    async fn resolve(
-        pool: &Pool<Self>,
-        scope: &Scope<'_>,
-        completion: Option<&Completion<'_>>,
-    ) -> Result<u64, sqlx::Error> {
-        let unresolved = "status IN ('PROCESSING', 'NEEDS_RECONCILIATION')";
-        let sql = match completion {
-            Some(c) => format!(
-                "UPDATE idempotency_records SET {} WHERE {} AND {unresolved}",
-                set_completion(c),
-                where_scope(scope),
-            ),
-            None => format!(
-                "DELETE FROM idempotency_records WHERE {} AND {unresolved}",
-                where_scope(scope)
-            ),
-        };
         execute(pool, sql).await
     }
 
@@ -261,7 +224,7 @@ impl Backend for Postgres {
         pool: &Pool<Self>,
         claim: &Claim<'_>,
         lease_ms: i64,
-        data: &[u8],
+        claim_id: &str,
     ) -> Result<bool, sqlx::Error> {
         let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
         let sql = format!(
@@ -269,7 +232,7 @@ impl Backend for Postgres {
             DIALECT.claim(
                 claim,
                 lease_ms,
-                data,
+                claim_id,
                 "ON CONFLICT (principal_id, operation, idem_key) DO NOTHING"
             )
         );
@@ -279,7 +242,7 @@ impl Backend for Postgres {
     async fn take_over(
         pool: &Pool<Self>,
         scope: &Scope<'_>,
-        seen: i64,
+        seen: Fence<'_>,
         lease_ms: i64,
         parked: bool,
     ) -> Result<bool, sqlx::Error> {
@@ -290,10 +253,10 @@ impl Backend for Postgres {
     async fn lease_write(
         pool: &Pool<Self>,
         scope: &Scope<'_>,
-        generation: i64,
+        fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<bool, sqlx::Error> {
-        let sql = DIALECT.write(scope, generation, write);
+        let sql = DIALECT.write(scope, fence, write);
         Ok(execute(pool, bounded_wait(&sql)).await? == 1)
     }
 
@@ -309,7 +272,7 @@ impl Backend for Postgres {
         pool: &Pool<Self>,
         tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
-        generation: i64,
+        fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<Option<i64>, FinishError> {
         // One round trip, as `finish`: the division fails when the fence
@@ -318,7 +281,7 @@ impl Backend for Postgres {
             "WITH done AS ({} RETURNING expires_at) \
              SELECT max(expires_at) + 0 * (1 / count(*)), txid_current() FROM done; \
              COMMIT; BEGIN",
-            DIALECT.write(scope, generation, write)
+            DIALECT.write(scope, fence, write)
         );
         match run_commit(pool, tx, sql).await {
             Ok(expires_at) => Ok(Some(expires_at)),
@@ -332,6 +295,7 @@ impl Backend for Postgres {
     }
 
     super::lease::list_leases!();
+    super::lease::list_unresolved!();
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {

@@ -6,9 +6,9 @@ use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, Transaction};
 
 use super::lease::{Dialect, commit_if_written, x_literal};
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, FinishError, IsolationLevel, LeaseWrite, Migration,
-    Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind, migrations,
-    release_savepoint, run_migrations, shared_statements,
+    Backend, Claim, ClaimOutcome, Completion, Fence, FinishError, IsolationLevel, LeaseWrite,
+    Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind,
+    migrations, release_savepoint, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
@@ -24,6 +24,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     2 => "0002_byte_scopes_and_reconciliation",
     3 => "0003_tombstone_purge_time",
     4 => "0004_lease_mode",
+    5 => "0005_claim_fence",
 );
 
 impl Backend for Sqlite {
@@ -146,7 +147,7 @@ impl Backend for Sqlite {
             now_ms!(),
             " THEN 1 ELSE 0 END, generation, CASE WHEN locked_until > ",
             now_ms!(),
-            " THEN 1 ELSE 0 END, recovery_point, recovery_data, pending_step \
+            " THEN 1 ELSE 0 END, recovery_point, recovery_data, pending_step, claim_id, parks \
              FROM idempotency_records WHERE principal_id = ? AND operation = ? AND idem_key = ?"
         ),
         mark = concat!(
@@ -160,16 +161,6 @@ impl Backend for Sqlite {
              SET status = 'NEEDS_RECONCILIATION', response_status = excluded.response_status \
              WHERE idempotency_records.status = 'PROCESSING'"
         ),
-        list = "SELECT principal_id, operation, idem_key, status, response_status, created_at, generation, pending_step \
-                FROM idempotency_records WHERE status = 'NEEDS_RECONCILIATION' \
-                OR (status = 'PROCESSING' AND generation = 0) ORDER BY created_at LIMIT ?",
-        resolve = "UPDATE idempotency_records SET status = ?, response_status = ?, \
-                   response_headers = ?, response_body = ?, resource_id = ? \
-                   WHERE principal_id = ? AND operation = ? AND idem_key = ? \
-                   AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
-        delete = "DELETE FROM idempotency_records \
-                  WHERE principal_id = ? AND operation = ? AND idem_key = ? \
-                  AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
         expire = concat!(
             "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
              response_body = NULL, expires_at = expires_at + ? \
@@ -193,12 +184,12 @@ impl Backend for Sqlite {
         pool: &Pool<Self>,
         claim: &Claim<'_>,
         lease_ms: i64,
-        data: &[u8],
+        claim_id: &str,
     ) -> Result<bool, sqlx::Error> {
         let sql = DIALECT.claim(
             claim,
             lease_ms,
-            data,
+            claim_id,
             "ON CONFLICT (principal_id, operation, idem_key) DO NOTHING",
         );
         Ok(execute(pool, sql).await? == 1)
@@ -207,7 +198,7 @@ impl Backend for Sqlite {
     async fn take_over(
         pool: &Pool<Self>,
         scope: &Scope<'_>,
-        seen: i64,
+        seen: Fence<'_>,
         lease_ms: i64,
         parked: bool,
     ) -> Result<bool, sqlx::Error> {
@@ -217,10 +208,10 @@ impl Backend for Sqlite {
     async fn lease_write(
         pool: &Pool<Self>,
         scope: &Scope<'_>,
-        generation: i64,
+        fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<bool, sqlx::Error> {
-        Ok(execute(pool, DIALECT.write(scope, generation, write)).await? == 1)
+        Ok(execute(pool, DIALECT.write(scope, fence, write)).await? == 1)
     }
 
     async fn begin_phase(
@@ -235,12 +226,12 @@ impl Backend for Sqlite {
         _pool: &Pool<Self>,
         mut tx: Transaction<'static, Self>,
         scope: &Scope<'_>,
-        generation: i64,
+        fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<Option<i64>, FinishError> {
         let sql = format!(
             "{} RETURNING expires_at",
-            DIALECT.write(scope, generation, write)
+            DIALECT.write(scope, fence, write)
         );
         let written: Result<Option<i64>, _> = sqlx::query_scalar(AssertSqlSafe(sql))
             .fetch_optional(&mut *tx)
@@ -249,6 +240,7 @@ impl Backend for Sqlite {
     }
 
     super::lease::list_leases!();
+    super::lease::list_unresolved!();
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {

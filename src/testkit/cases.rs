@@ -14,6 +14,7 @@ use crate::{IdempotencyLayer, Sweeper};
 
 pub use super::consumer::*;
 pub use super::lease::cases::*;
+pub use super::lease::hardening::*;
 pub use super::lease::review::*;
 
 const BODY: &str = r#"{"amount":12000,"items":[]}"#;
@@ -1193,25 +1194,26 @@ pub async fn handler_that_ends_the_transaction_is_held_for_reconciliation<DB: Co
         .body(Bytes::from_static(b"{\"orderId\":\"resolved\"}"))
         .unwrap();
     let resolved = find("commit_201");
+    reconciler
+        .resolve(&resolved, crate::Resolution::Succeeded(answer))
+        .await
+        .unwrap();
+    let twice = reconciler
+        .resolve(&resolved, crate::Resolution::Rerun)
+        .await;
     assert!(
-        reconciler
-            .resolve(&resolved, crate::Resolution::Succeeded(answer))
-            .await
-            .unwrap()
+        matches!(
+            twice,
+            Err(crate::ResolveError::Settled {
+                status: crate::store::RecordStatus::Succeeded
+            })
+        ),
+        "a resolved key cannot be resolved twice: {twice:?}"
     );
-    assert!(
-        !reconciler
-            .resolve(&resolved, crate::Resolution::Rerun)
-            .await
-            .unwrap(),
-        "a resolved key cannot be resolved twice"
-    );
-    assert!(
-        reconciler
-            .resolve(&find("commit_503"), crate::Resolution::Rerun)
-            .await
-            .unwrap()
-    );
+    reconciler
+        .resolve(&find("commit_503"), crate::Resolution::Rerun)
+        .await
+        .unwrap();
     let replay = send(
         &app,
         order(

@@ -8,7 +8,7 @@
 //! ground truth for "charged once".
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,9 +22,10 @@ use serde_json::json;
 
 use super::{ConformanceDb, Harness, bearer};
 use crate::IdempotencyLayer;
-use crate::lease::{Completer, LeaseMode, Leased, Recovered, StepError, StepKey};
+use crate::lease::{CallError, Completer, LeaseMode, Leased, Recovered, StepError, StepKey};
 
 pub mod cases;
+pub mod hardening;
 pub mod review;
 
 /// Stock the final phase takes from; plenty for any case.
@@ -41,6 +42,8 @@ pub enum Fault {
     ChargeThenDrop,
     /// Declines without charging.
     Decline,
+    /// Refuses the connection: the request provably never left.
+    Refused,
 }
 
 /// An in-process payment provider that deduplicates on the idempotency key
@@ -50,7 +53,9 @@ pub struct Provider {
     charges: Mutex<HashMap<String, i64>>,
     faults: Mutex<VecDeque<Fault>>,
     lookup_down: AtomicBool,
+    lookup_delay: Mutex<Duration>,
     posts: AtomicUsize,
+    lookups: AtomicUsize,
 }
 
 /// The result of a charge, as the handler saves it.
@@ -73,6 +78,16 @@ impl Provider {
         self.lookup_down.store(down, Ordering::SeqCst);
     }
 
+    /// Makes every look-up take `delay` before it answers.
+    pub fn lookup_delay(&self, delay: Duration) {
+        *lock(&self.lookup_delay) = delay;
+    }
+
+    /// How many look-ups were made.
+    pub fn lookups(&self) -> usize {
+        self.lookups.load(Ordering::SeqCst)
+    }
+
     /// How many distinct charges exist.
     pub fn charges(&self) -> usize {
         lock(&self.charges).len()
@@ -83,11 +98,14 @@ impl Provider {
         self.posts.load(Ordering::SeqCst)
     }
 
-    async fn charge(&self, key: StepKey, amount: i64) -> Result<Charge, String> {
-        self.posts.fetch_add(1, Ordering::SeqCst);
+    async fn charge(&self, key: StepKey, amount: i64) -> Result<Charge, CallError<String>> {
         let fault = lock(&self.faults).pop_front();
+        if fault == Some(Fault::Refused) {
+            return Err(CallError::NotSent("connection refused".into()));
+        }
+        self.posts.fetch_add(1, Ordering::SeqCst);
         if fault == Some(Fault::FailBefore) {
-            return Err("503 from the provider".into());
+            return Err("503 from the provider".to_string().into());
         }
         if fault == Some(Fault::Decline) {
             return Ok(Charge::Declined);
@@ -96,13 +114,18 @@ impl Provider {
         let id = charge_id(&key);
         match fault {
             Some(Fault::ChargeThenHang(d)) => tokio::time::sleep(d).await,
-            Some(Fault::ChargeThenDrop) => return Err("connection closed".into()),
+            Some(Fault::ChargeThenDrop) => return Err("connection closed".to_string().into()),
             _ => {}
         }
         Ok(Charge::Captured(id))
     }
 
     async fn lookup(&self, key: StepKey) -> Result<Recovered<Charge>, String> {
+        self.lookups.fetch_add(1, Ordering::SeqCst);
+        let delay = *lock(&self.lookup_delay);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         if self.lookup_down.load(Ordering::SeqCst) {
             return Err("503 from the look-up".into());
         }
@@ -130,6 +153,10 @@ pub struct PayState<DB: ConformanceDb> {
     pub provider: Arc<Provider>,
     /// How many times the handler (or the resume function) ran.
     pub executions: Arc<AtomicUsize>,
+    /// How long the next execution pauses before anything else, with no
+    /// ledger write (a stale owner that wakes later); 0 for none. Taken by
+    /// the execution that pauses.
+    pub pause_next_ms: Arc<AtomicU64>,
     _db: std::marker::PhantomData<fn() -> DB>,
 }
 
@@ -154,6 +181,7 @@ impl<DB: ConformanceDb> Clone for PayState<DB> {
         Self {
             provider: Arc::clone(&self.provider),
             executions: Arc::clone(&self.executions),
+            pause_next_ms: Arc::clone(&self.pause_next_ms),
             _db: std::marker::PhantomData,
         }
     }
@@ -186,6 +214,10 @@ async fn pay<DB: ConformanceDb>(
     Json(req): Json<PayReq>,
 ) -> Response {
     st.executions.fetch_add(1, Ordering::SeqCst);
+    let pause = st.pause_next_ms.swap(0, Ordering::SeqCst);
+    if pause > 0 {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+    }
     if req.amount <= 0 {
         return (StatusCode::UNPROCESSABLE_ENTITY, "amount must be positive").into_response();
     }
@@ -310,7 +342,12 @@ impl<DB: ConformanceDb> PayApp<DB> {
                 st.executions.fetch_add(1, Ordering::SeqCst);
                 let res = match leased.saved::<Created>("created") {
                     Ok(Some(created)) => drive(&st, &leased, created).await,
-                    _ => (StatusCode::SERVICE_UNAVAILABLE, "nothing saved").into_response(),
+                    // Nothing saved: the documented rule, a rejection,
+                    // which deletes a bare claim so the retry runs afresh.
+                    Ok(None) => {
+                        (StatusCode::UNPROCESSABLE_ENTITY, "nothing to resume").into_response()
+                    }
+                    Err(e) => e.into_response(),
                 };
                 let (parts, body) = res.into_parts();
                 let body = http_body_util::BodyExt::collect(body)
@@ -349,6 +386,7 @@ impl<DB: ConformanceDb> Harness<DB> {
         let state = PayState {
             provider: Arc::new(Provider::default()),
             executions: Arc::new(AtomicUsize::new(0)),
+            pause_next_ms: Arc::new(AtomicU64::new(0)),
             _db: std::marker::PhantomData,
         };
         PayApp {

@@ -365,6 +365,9 @@ impl<DB: ConformanceDb> Harness<DB> {
             }
             "PROCESSING" => "SELECT COUNT(*) FROM idempotency_records WHERE status = 'PROCESSING'",
             "EXPIRED" => "SELECT COUNT(*) FROM idempotency_records WHERE status = 'EXPIRED'",
+            "NEEDS_RECONCILIATION" => {
+                "SELECT COUNT(*) FROM idempotency_records WHERE status = 'NEEDS_RECONCILIATION'"
+            }
             other => panic!("unknown status {other}"),
         };
         DB::count(&self.pool, sql).await
@@ -514,6 +517,18 @@ macro_rules! conformance_suite {
             lease_concurrent_steps_keep_each_pending_mark,
             lease_step_key_differs_for_a_reused_key,
             lease_phase_commit_renews_the_lease_from_commit_time,
+            lease_stale_owner_of_a_deleted_claim_charges_nothing,
+            lease_final_answer_over_an_unrecovered_pending_step_parks,
+            lease_stranded_records_are_listed_for_operators,
+            lease_step_name_reused_in_one_attempt_is_refused,
+            lease_operator_verdict_during_a_completer_pass_is_not_dropped,
+            lease_settled_answer_is_replayable_for_the_full_retention,
+            lease_parked_records_back_off_and_do_not_starve_the_completer,
+            lease_undecodable_saved_data_is_parked_not_retaken,
+            lease_takeover_cut_after_its_commit_leaves_no_ownerless_lease,
+            lease_call_provably_not_sent_ends_the_lease_without_parking,
+            lease_blocked_renewal_does_not_freeze_the_step_timeout,
+            lease_step_and_point_names_are_validated,
             consumer_applies_once_and_skips_duplicates,
             consumer_handler_error_then_redelivery_applies_once,
             consumer_concurrent_deliveries_apply_once,

@@ -37,7 +37,9 @@ async fn abandon_mid_charge<DB: ConformanceDb>(app: &super::PayApp<DB>) {
 
 /// Case: a first payment charges once, commits every phase and replays.
 pub async fn lease_first_payment_charges_once_and_replays<DB: ConformanceDb>(h: Harness<DB>) {
-    let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
+    let app = h
+        .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
+        .await;
     let a = send(&app.router, payment("pay-1", PAY)).await;
     assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
     assert!(a.headers.contains_key("idempotency-key-expires"));
@@ -63,7 +65,9 @@ pub async fn lease_charge_then_dropped_attempt_resumes_without_a_second_charge<
 >(
     h: Harness<DB>,
 ) {
-    let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
+    let app = h
+        .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
+        .await;
     abandon_mid_charge(&app).await;
     assert_eq!(app.state.provider.charges(), 1);
     let retry = send(&app.router, payment("pay-1", PAY)).await;
@@ -83,7 +87,9 @@ pub async fn lease_charge_then_dropped_attempt_resumes_without_a_second_charge<
 pub async fn lease_lost_provider_answer_is_recovered_in_the_same_attempt<DB: ConformanceDb>(
     h: Harness<DB>,
 ) {
-    let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
+    let app = h
+        .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
+        .await;
     app.state.provider.fault(Fault::ChargeThenDrop);
     let a = send(&app.router, payment("pay-1", PAY)).await;
     assert_eq!(a.status, StatusCode::CREATED, "{a:?}");
@@ -98,7 +104,9 @@ pub async fn lease_lost_provider_answer_is_recovered_in_the_same_attempt<DB: Con
 pub async fn lease_provider_failure_ends_the_lease_and_the_retry_charges_once<DB: ConformanceDb>(
     h: Harness<DB>,
 ) {
-    let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
+    let app = h
+        .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
+        .await;
     app.state.provider.fault(Fault::FailBefore);
     let a = send(&app.router, payment("pay-1", PAY)).await;
     assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
@@ -115,7 +123,9 @@ pub async fn lease_provider_failure_ends_the_lease_and_the_retry_charges_once<DB
 /// Case: a decline is a final failure: recorded with the final phase's
 /// writes, replayed, never charged.
 pub async fn lease_decline_is_final_and_replayed<DB: ConformanceDb>(h: Harness<DB>) {
-    let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
+    let app = h
+        .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
+        .await;
     app.state.provider.fault(Fault::Decline);
     let a = send(&app.router, payment("pay-1", PAY)).await;
     assert_eq!(a.status, StatusCode::PAYMENT_REQUIRED, "{a:?}");
@@ -139,7 +149,9 @@ pub async fn lease_decline_is_final_and_replayed<DB: ConformanceDb>(h: Harness<D
 pub async fn lease_unknown_outcome_parks_until_an_operator_resolves_it<DB: ConformanceDb>(
     h: Harness<DB>,
 ) {
-    let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
+    let app = h
+        .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
+        .await;
     app.state.provider.lookup_down(true);
     abandon_mid_charge(&app).await;
     for _ in 0..2 {
@@ -159,12 +171,10 @@ pub async fn lease_unknown_outcome_parks_until_an_operator_resolves_it<DB: Confo
         .header("content-type", "application/json")
         .body(bytes::Bytes::from_static(br#"{"resolved":true}"#))
         .expect("a response");
-    assert!(
-        reconciler
-            .resolve(&parked[0], Resolution::Succeeded(answer))
-            .await
-            .expect("resolve")
-    );
+    reconciler
+        .resolve(&parked[0], Resolution::Succeeded(answer))
+        .await
+        .expect("resolve");
     let r = send(&app.router, payment("pay-1", PAY)).await;
     assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
     assert!(r.replayed());
@@ -175,7 +185,9 @@ pub async fn lease_unknown_outcome_parks_until_an_operator_resolves_it<DB: Confo
 /// Case: a completer pass recovers a parked record once the look-up is
 /// back, and finishes it without charging again.
 pub async fn lease_completer_recovers_a_parked_record<DB: ConformanceDb>(h: Harness<DB>) {
-    let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
+    let app = h
+        .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
+        .await;
     app.state.provider.lookup_down(true);
     abandon_mid_charge(&app).await;
     let completer = app.completer(&h);
@@ -197,7 +209,10 @@ pub async fn lease_stale_owner_is_refused_and_its_writes_are_not_kept<DB: Confor
     h: Harness<DB>,
 ) {
     let app = h
-        .pay_app(LeaseMode::new(Duration::from_millis(400)), WAIT)
+        .pay_app(
+            LeaseMode::new(Duration::from_millis(400)).expect("a usable lease"),
+            WAIT,
+        )
         .await;
     let stale = {
         let router = app.router.clone();
@@ -249,7 +264,10 @@ pub async fn lease_stale_owner_is_refused_and_its_writes_are_not_kept<DB: Confor
 /// Case: concurrent retries of a lapsed lease: exactly one takes over.
 pub async fn lease_concurrent_takeovers_exactly_one_wins<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h
-        .pay_app(LeaseMode::new(LEASE), Duration::from_secs(5))
+        .pay_app(
+            LeaseMode::new(LEASE).expect("a usable lease"),
+            Duration::from_secs(5),
+        )
         .await;
     app.state.provider.fault(Fault::FailBefore);
     let a = send(&app.router, payment("pay-1", PAY)).await;
@@ -283,7 +301,10 @@ pub async fn lease_concurrent_takeovers_exactly_one_wins<DB: ConformanceDb>(h: H
 pub async fn lease_is_renewed_during_a_long_step<DB: ConformanceDb>(h: Harness<DB>) {
     // The call outlasts the lease five times over; the step's own timeout
     // is longer still.
-    let mode = LeaseMode::new(Duration::from_millis(300)).with_step_timeout(Duration::from_secs(5));
+    let mode = LeaseMode::new(Duration::from_millis(300))
+        .expect("a usable lease")
+        .with_step_timeout(Duration::from_secs(5))
+        .expect("a usable lease");
     let app = h.pay_app(mode, Duration::from_millis(300)).await;
     app.state
         .provider
@@ -311,7 +332,9 @@ pub async fn lease_is_renewed_during_a_long_step<DB: ConformanceDb>(h: Harness<D
 /// Case: the completer finishes a payment abandoned mid-charge, with no
 /// client retry; the client's later retry replays it.
 pub async fn lease_completer_finishes_an_abandoned_payment<DB: ConformanceDb>(h: Harness<DB>) {
-    let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
+    let app = h
+        .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
+        .await;
     abandon_mid_charge(&app).await;
     let completer = app.completer(&h);
     let pass = completer.run_once().await.expect("pass");
@@ -329,7 +352,9 @@ pub async fn lease_completer_finishes_an_abandoned_payment<DB: ConformanceDb>(h:
 
 /// Case: a request the handler rejects before any phase frees the key.
 pub async fn lease_rejection_before_any_phase_frees_the_key<DB: ConformanceDb>(h: Harness<DB>) {
-    let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
+    let app = h
+        .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
+        .await;
     let bad = send(&app.router, payment("pay-1", r#"{"amount":0}"#)).await;
     assert_eq!(bad.status, StatusCode::UNPROCESSABLE_ENTITY, "{bad:?}");
     assert_eq!(h.ledger().await, 0);
@@ -342,7 +367,9 @@ pub async fn lease_rejection_before_any_phase_frees_the_key<DB: ConformanceDb>(h
 pub async fn lease_step_without_lookup_parks_an_uncertain_outcome<DB: ConformanceDb>(
     h: Harness<DB>,
 ) {
-    let app = h.pay_app(LeaseMode::new(LEASE), WAIT).await;
+    let app = h
+        .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
+        .await;
     app.state.provider.fault(Fault::ChargeThenDrop);
     let body = r#"{"amount":5000,"no_lookup":true}"#;
     let a = send(&app.router, payment("pay-1", body)).await;
@@ -361,12 +388,10 @@ pub async fn lease_step_without_lookup_parks_an_uncertain_outcome<DB: Conformanc
     let reconciler = Reconciler::new(h.pool.clone());
     let parked = reconciler.unresolved(10).await.expect("list");
     assert_eq!(parked.len(), 1, "{parked:?}");
-    assert!(
-        reconciler
-            .resolve(&parked[0], Resolution::Rerun)
-            .await
-            .expect("resolve")
-    );
+    reconciler
+        .resolve(&parked[0], Resolution::Rerun)
+        .await
+        .expect("resolve");
     // The sweeper never touches it.
     crate::Sweeper::new(h.pool.clone())
         .sweep_at(std::time::SystemTime::now() + Duration::from_secs(100 * 365 * 86_400))

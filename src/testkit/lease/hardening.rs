@@ -1,0 +1,662 @@
+//! Lease-mode cases from the outside probes of the money paths: each failed
+//! before its fix (the numbers are the hardening issue's).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use http::StatusCode;
+
+use super::{Charge, Fault, PayApp, PayState, Provider, pay, payment};
+use crate::IdempotencyLayer;
+use crate::lease::{Completer, LeaseError, LeaseMode, Leased, Recovered, StepError};
+use crate::reconcile::ResolveError;
+use crate::store::RecordStatus;
+use crate::testkit::{ConformanceDb, Harness, bearer, send};
+use crate::{Reconciler, Resolution};
+
+const PAY: &str = r#"{"amount":5000}"#;
+const WAIT: Duration = Duration::from_secs(2);
+
+fn mode(lease: Duration) -> LeaseMode {
+    LeaseMode::new(lease).expect("a usable lease")
+}
+
+fn layer<DB: ConformanceDb>(h: &Harness<DB>, mode: LeaseMode) -> IdempotencyLayer<DB> {
+    IdempotencyLayer::new(h.pool.clone())
+        .with_principal(bearer)
+        .with_lease(mode)
+        .with_in_flight_wait(WAIT)
+        .expect("a wait above zero")
+}
+
+fn answer(status: u16, body: &'static str) -> http::Response<bytes::Bytes> {
+    http::Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(bytes::Bytes::from_static(body.as_bytes()))
+        .expect("a response")
+}
+
+async fn count<DB: ConformanceDb>(h: &Harness<DB>, sql: &'static str) -> i64 {
+    DB::count(&h.pool, sql).await
+}
+
+async fn pending<DB: ConformanceDb>(h: &Harness<DB>) -> i64 {
+    count(
+        h,
+        "SELECT COUNT(*) FROM idempotency_records WHERE pending_step IS NOT NULL",
+    )
+    .await
+}
+
+async fn generation<DB: ConformanceDb>(h: &Harness<DB>) -> i64 {
+    count(h, "SELECT MAX(generation) FROM idempotency_records").await
+}
+
+/// Sends `req` and drops it after `after` (the client went away).
+async fn abandon(router: &Router, req: http::Request<axum::body::Body>, after: Duration) {
+    let cut = tokio::time::timeout(after, send(router, req)).await;
+    assert!(cut.is_err(), "the attempt was meant to be cut: {cut:?}");
+    // Let the dropped attempt's release land.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+}
+
+/// A handler that charges first, with no phase before its step.
+async fn charge_first<DB: ConformanceDb>(
+    State(st): State<PayState<DB>>,
+    leased: Leased<DB>,
+) -> Response {
+    st.executions.fetch_add(1, Ordering::SeqCst);
+    charge_then_answer(&st.provider, &leased).await
+}
+
+async fn charge_then_answer<DB: ConformanceDb>(
+    provider: &Provider,
+    leased: &Leased<DB>,
+) -> Response {
+    let charged = leased
+        .step(
+            "charge",
+            |key| provider.charge(key, 100),
+            |key| provider.lookup(key),
+        )
+        .await;
+    match charged {
+        Ok(Charge::Captured(id)) => (StatusCode::CREATED, id).into_response(),
+        Ok(Charge::Declined) => StatusCode::PAYMENT_REQUIRED.into_response(),
+        Err(StepError::Lease(e)) => e.into_response(),
+        Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "provider failed").into_response(),
+    }
+}
+
+fn charge_first_app<DB: ConformanceDb>(h: &Harness<DB>, app: &PayApp<DB>) -> Router {
+    Router::new()
+        .route("/payments", post(charge_first::<DB>))
+        .layer(layer(h, app.mode))
+        .with_state(app.state.clone())
+}
+
+/// A completer for `charge_first`: its resume function answers the rule for
+/// a bare claim (a rejection), or with `drive_pending` runs a pending step.
+fn charge_first_completer<DB: ConformanceDb>(
+    h: &Harness<DB>,
+    app: &PayApp<DB>,
+    drive_pending: bool,
+) -> Completer<DB> {
+    let provider = Arc::clone(&app.state.provider);
+    Completer::new(h.pool.clone(), app.mode).resume("POST /payments", move |leased| {
+        let provider = Arc::clone(&provider);
+        async move {
+            let res = if drive_pending && leased.pending_step().is_some() {
+                // The step may have run: run it, so it recovers first.
+                charge_then_answer(&provider, &leased).await
+            } else {
+                // Nothing saved: the rule for a bare claim, a rejection.
+                (StatusCode::UNPROCESSABLE_ENTITY, "nothing to resume").into_response()
+            };
+            let (parts, body) = res.into_parts();
+            let body = http_body_util::BodyExt::collect(body)
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            http::Response::from_parts(parts, body)
+        }
+    })
+}
+
+/// Case (point 1): a stale owner whose bare claim the completer deleted (and the
+/// retry claimed again, at generation 1 once more) is refused at its first
+/// write, and never charges under its own step key.
+pub async fn lease_stale_owner_of_a_deleted_claim_charges_nothing<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h
+        .pay_app(
+            mode(Duration::from_millis(1000)),
+            Duration::from_millis(200),
+        )
+        .await;
+    // A stalls before its first phase, past its lease.
+    app.state.pause_next_ms.store(1500, Ordering::SeqCst);
+    let a = {
+        let router = app.router.clone();
+        tokio::spawn(async move { send(&router, payment("re-1", PAY)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Nothing saved: the completer deletes the bare claim, as documented.
+    let pass = app.completer(&h).run_once().await.expect("pass");
+    assert_eq!(h.ledger().await, 0, "{pass:?}: the bare claim is deleted");
+    // B claims again; its charge is slow, so A wakes while B holds the row.
+    app.state
+        .provider
+        .fault(Fault::ChargeThenHang(Duration::from_millis(1000)));
+    let b = send(&app.router, payment("re-1", PAY)).await;
+    let a = a.await.expect("no panic");
+    assert_eq!(
+        app.state.provider.charges(),
+        1,
+        "two charges for one key: A {a:?}, B {b:?}"
+    );
+    assert_eq!(h.orders().await, 1, "A {a:?}, B {b:?}");
+    assert_eq!(b.status, StatusCode::CREATED, "{b:?}");
+    assert_eq!(a.status, StatusCode::CONFLICT, "{a:?}");
+    assert_eq!(a.problem(), "lease-lost", "{a:?}");
+    let again = send(&app.router, payment("re-1", PAY)).await;
+    assert_eq!(again.body, b.body, "the retry replays B's answer");
+}
+
+/// Case (point 2): a resume function that answers a final answer over a pending
+/// step it never recovered (the charge may be taken) is refused: the record
+/// is parked, listed, and a resume that runs the step finishes it.
+pub async fn lease_final_answer_over_an_unrecovered_pending_step_parks<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h.pay_app(mode(Duration::from_secs(30)), WAIT).await;
+    let router = charge_first_app(&h, &app);
+    app.state
+        .provider
+        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
+    abandon(&router, payment("pend-1", PAY), Duration::from_millis(500)).await;
+    assert_eq!(pending(&h).await, 1);
+    let pass = charge_first_completer(&h, &app, false)
+        .run_once()
+        .await
+        .expect("pass");
+    assert_eq!(
+        h.ledger_with("FAILED_FINAL").await,
+        0,
+        "{pass:?}: a final answer was recorded over a charge that may be taken"
+    );
+    assert_eq!(pending(&h).await, 1, "the pending step is kept");
+    assert_eq!(h.ledger_with("NEEDS_RECONCILIATION").await, 1, "{pass:?}");
+    let listed = Reconciler::new(h.pool.clone())
+        .unresolved(10)
+        .await
+        .expect("list");
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    let r = send(&router, payment("pend-1", PAY)).await;
+    assert_eq!(r.problem(), "reconciling", "{r:?}");
+    // A resume function that sees the pending step and runs it: `recover`
+    // finds the charge, and the record completes without a second one.
+    let pass = charge_first_completer(&h, &app, true)
+        .run_once()
+        .await
+        .expect("pass");
+    assert_eq!(pass.completed, 1, "{pass:?}");
+    assert_eq!(app.state.provider.posts(), 1);
+    assert_eq!(app.state.provider.charges(), 1);
+    let r = send(&router, payment("pend-1", PAY)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+    assert!(r.replayed());
+}
+
+/// Case (point 3): a charge stranded with no retry and no completer (a lapsed
+/// lease with a pending step) is listed for operators, and so is a record
+/// lapsed for longer than the configured age; an operator's verdict on it
+/// wins over the stale owner.
+pub async fn lease_stranded_records_are_listed_for_operators<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.pay_app(mode(Duration::from_secs(30)), WAIT).await;
+    let router = charge_first_app(&h, &app);
+    app.state
+        .provider
+        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
+    abandon(
+        &router,
+        payment("strand-1", PAY),
+        Duration::from_millis(500),
+    )
+    .await;
+    let reconciler = Reconciler::new(h.pool.clone());
+    let listed = reconciler.unresolved(10).await.expect("list");
+    assert_eq!(listed.len(), 1, "a taken charge nobody can see: {listed:?}");
+    assert_eq!(listed[0].status, RecordStatus::Processing);
+    assert_eq!(listed[0].pending_step.as_deref(), Some("charge"));
+    // A bare claim lapsed (nothing pending) is listed once it is older than
+    // the configured age.
+    app.state.pause_next_ms.store(5000, Ordering::SeqCst);
+    abandon(
+        &app.router,
+        payment("strand-2", PAY),
+        Duration::from_millis(300),
+    )
+    .await;
+    assert_eq!(reconciler.unresolved(10).await.expect("list").len(), 1);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let aged = Reconciler::new(h.pool.clone()).with_stranded_after(Duration::from_millis(100));
+    let listed = aged.unresolved(10).await.expect("list");
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    // The operator checked the provider: the charge is there.
+    let stranded = listed
+        .iter()
+        .find(|r| r.pending_step.is_some())
+        .expect("the stranded charge");
+    reconciler
+        .resolve(
+            stranded,
+            Resolution::Succeeded(answer(201, r#"{"by":"operator"}"#)),
+        )
+        .await
+        .expect("the verdict wins");
+    let r = send(&router, payment("strand-1", PAY)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+    assert_eq!(&r.body[..], br#"{"by":"operator"}"#);
+    assert_eq!(app.state.provider.posts(), 1);
+}
+
+/// Case (point 4): a step name used twice in one attempt is refused as misuse,
+/// never answered with the first step's saved result.
+pub async fn lease_step_name_reused_in_one_attempt_is_refused<DB: ConformanceDb>(h: Harness<DB>) {
+    let provider = Arc::new(Provider::default());
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let (p, s) = (Arc::clone(&provider), Arc::clone(&seen));
+    let handler = move |leased: Leased<DB>| {
+        let (p, s) = (Arc::clone(&p), Arc::clone(&s));
+        async move {
+            for amount in [100, 250] {
+                let r = leased
+                    .step("charge", |k| p.charge(k, amount), |k| p.lookup(k))
+                    .await;
+                let seen = match &r {
+                    Ok(c) => format!("ok {c:?}"),
+                    Err(StepError::Lease(LeaseError::Misuse(m))) => format!("misuse {m}"),
+                    Err(e) => format!("error {e}"),
+                };
+                s.lock().expect("lock").push(seen);
+                if r.is_err() {
+                    return (StatusCode::INTERNAL_SERVER_ERROR, "misuse").into_response();
+                }
+            }
+            (StatusCode::CREATED, "both charged").into_response()
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(layer(&h, mode(Duration::from_secs(30))));
+    let r = send(&router, payment("twice-1", PAY)).await;
+    let seen = seen.lock().expect("lock").clone();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert!(seen[1].starts_with("misuse"), "{seen:?}");
+    assert_ne!(r.status, StatusCode::CREATED, "{r:?}");
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 0);
+    assert_eq!(provider.posts(), 1);
+}
+
+/// Case (point 5): an operator's verdict given while a completer pass holds the
+/// parked record is never dropped as a lost race: it wins, or it fails with
+/// an error that says the record is held, and wins when given again.
+pub async fn lease_operator_verdict_during_a_completer_pass_is_not_dropped<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h.pay_app(mode(Duration::from_secs(30)), WAIT).await;
+    app.state.provider.fault(Fault::ChargeThenDrop);
+    app.state.provider.lookup_down(true);
+    let a = send(&app.router, payment("verdict-1", PAY)).await;
+    assert_eq!(a.problem(), "reconciling", "{a:?}");
+    let reconciler = Reconciler::new(h.pool.clone());
+    let listed = reconciler.unresolved(10).await.expect("list");
+    assert_eq!(listed.len(), 1);
+    // A pass whose look-up is slow (and then fails) holds the record.
+    app.state.provider.lookup_delay(Duration::from_millis(1500));
+    let pass = {
+        let completer = app.completer(&h);
+        tokio::spawn(async move { completer.run_once().await })
+    };
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let verdict = reconciler
+        .resolve(&listed[0], Resolution::Succeeded(answer(201, r#"{"v":1}"#)))
+        .await;
+    let pass = pass.await.expect("no panic").expect("pass");
+    match verdict {
+        Ok(()) => {}
+        Err(ResolveError::Held { .. }) => {
+            // Said why; given again once the pass let go, it wins.
+            reconciler
+                .resolve(&listed[0], Resolution::Succeeded(answer(201, r#"{"v":1}"#)))
+                .await
+                .expect("the verdict given again wins");
+        }
+        Err(e) => panic!("{pass:?}: the verdict was refused with {e:?} though nobody settled it"),
+    }
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1, "{pass:?}");
+    let r = send(&app.router, payment("verdict-1", PAY)).await;
+    assert_eq!(&r.body[..], br#"{"v":1}"#, "{r:?}");
+}
+
+/// Case (point 6): a record parked past its retention, then settled (by a
+/// completer or an operator), replays its answer for a full retention.
+pub async fn lease_settled_answer_is_replayable_for_the_full_retention<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h.pay_app(mode(Duration::from_secs(30)), WAIT).await;
+    let router = Router::new()
+        .route("/payments", post(pay::<DB>))
+        .layer(
+            layer(&h, app.mode)
+                .with_retention(Duration::from_millis(1500))
+                .expect("a retention"),
+        )
+        .with_state(app.state.clone());
+    app.state.provider.lookup_down(true);
+    for key in ["ret-1", "ret-2"] {
+        app.state.provider.fault(Fault::ChargeThenDrop);
+        let r = send(&router, payment(key, PAY)).await;
+        assert_eq!(r.problem(), "reconciling", "{r:?}");
+    }
+    tokio::time::sleep(Duration::from_millis(1800)).await;
+    // One recovered by a completer, the other settled by an operator.
+    let reconciler = Reconciler::new(h.pool.clone());
+    let listed = reconciler.unresolved(10).await.expect("list");
+    let manual = listed
+        .iter()
+        .find(|r| r.key == "ret-2")
+        .expect("listed")
+        .clone();
+    reconciler
+        .resolve(
+            &manual,
+            Resolution::Succeeded(answer(201, r#"{"by":"operator"}"#)),
+        )
+        .await
+        .expect("resolved");
+    app.state.provider.lookup_down(false);
+    let pass = app.completer(&h).run_once().await.expect("pass");
+    assert_eq!(pass.completed, 1, "{pass:?}");
+    for key in ["ret-1", "ret-2"] {
+        let r = send(&router, payment(key, PAY)).await;
+        assert_eq!(
+            r.status,
+            StatusCode::CREATED,
+            "{key}: a settled answer must replay for its retention: {r:?}"
+        );
+        assert!(r.replayed(), "{r:?}");
+    }
+}
+
+/// Case (point 7): parked records whose look-up stays down back off, so a pass
+/// reaches the abandoned record behind them, and on every store in the same
+/// order.
+pub async fn lease_parked_records_back_off_and_do_not_starve_the_completer<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h.pay_app(mode(Duration::from_secs(30)), WAIT).await;
+    app.state.provider.lookup_down(true);
+    for i in 0..16 {
+        app.state.provider.fault(Fault::ChargeThenDrop);
+        let key = format!("parked-{i}");
+        let r = send(&app.router, payment(&key, PAY)).await;
+        assert_eq!(r.problem(), "reconciling", "{r:?}");
+    }
+    // An abandoned record that needs only its final phase: charged, then
+    // the attempt is dropped during its pause.
+    abandon(
+        &app.router,
+        payment("abandoned", r#"{"amount":5000,"pause_ms":3000}"#),
+        Duration::from_millis(500),
+    )
+    .await;
+    let before = app.state.provider.lookups();
+    let completer = app.completer(&h);
+    let mut completed = 0;
+    for _ in 0..3 {
+        completed += completer.run_once().await.expect("pass").completed;
+    }
+    let lookups = app.state.provider.lookups() - before;
+    assert_eq!(completed, 1, "the abandoned record was never reached");
+    assert!(
+        lookups <= 16,
+        "{lookups} look-ups in three passes: parked records are retried on every pass"
+    );
+}
+
+/// Case (point 7): saved data that cannot be decoded parks the record for an
+/// operator instead of being retaken every lease.
+pub async fn lease_undecodable_saved_data_is_parked_not_retaken<DB: ConformanceDb>(h: Harness<DB>) {
+    let lease = mode(Duration::from_millis(300))
+        .with_step_timeout(Duration::from_secs(10))
+        .expect("a usable timeout");
+    let app = h.pay_app(lease, WAIT).await;
+    app.state
+        .provider
+        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
+    abandon(
+        &app.router,
+        payment("bad-1", PAY),
+        Duration::from_millis(400),
+    )
+    .await;
+    let corrupt = if DB::LABEL == "postgres" {
+        "UPDATE idempotency_records SET recovery_data = '\\x7b'::bytea"
+    } else {
+        "UPDATE idempotency_records SET recovery_data = X'7B'"
+    };
+    DB::exec(&h.pool, corrupt).await;
+    let completer = app.completer(&h);
+    completer.run_once().await.expect("pass");
+    let taken = generation(&h).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let pass = completer.run_once().await.expect("pass");
+    assert_eq!(
+        generation(&h).await,
+        taken,
+        "{pass:?}: retaken after its lease lapsed again"
+    );
+    assert_eq!(h.ledger_with("NEEDS_RECONCILIATION").await, 1);
+    let listed = Reconciler::new(h.pool.clone())
+        .unresolved(10)
+        .await
+        .expect("list");
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    let r = send(&app.router, payment("bad-1", PAY)).await;
+    assert_eq!(r.problem(), "reconciling", "{r:?}");
+}
+
+/// Case (point 7): a takeover whose statement outlived the request's wait (it
+/// committed after the request gave up) leaves no lease without an owner:
+/// the next retry takes the record over at once.
+pub async fn lease_takeover_cut_after_its_commit_leaves_no_ownerless_lease<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h
+        .pay_app(mode(Duration::from_secs(3)), Duration::from_millis(300))
+        .await;
+    app.state
+        .provider
+        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
+    abandon(
+        &app.router,
+        payment("cut-1", PAY),
+        Duration::from_millis(400),
+    )
+    .await;
+    // Another writer holds the row: the retry's takeover waits on it.
+    let mut holder = h.pool.begin().await.expect("begin");
+    DB::exec_on(
+        &mut holder,
+        "UPDATE idempotency_records SET generation = generation",
+    )
+    .await
+    .expect("lock the row");
+    let r1 = send(&app.router, payment("cut-1", PAY)).await;
+    assert_ne!(r1.status, StatusCode::CREATED, "{r1:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    holder.commit().await.expect("let go");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r2 = send(&app.router, payment("cut-1", PAY)).await;
+    assert_eq!(
+        r2.status,
+        StatusCode::CREATED,
+        "an ownerless lease held the key: {r2:?} (first {r1:?})"
+    );
+    assert_eq!(app.state.provider.charges(), 1);
+}
+
+/// Case (point 8): a call provably never sent (connection refused) ends the lease
+/// without parking, and the retry runs the step.
+pub async fn lease_call_provably_not_sent_ends_the_lease_without_parking<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h.pay_app(mode(Duration::from_secs(30)), WAIT).await;
+    // The provider is down: its look-up too.
+    app.state.provider.lookup_down(true);
+    app.state.provider.fault(Fault::Refused);
+    let r = send(&app.router, payment("down-1", PAY)).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{r:?}");
+    assert!(
+        !String::from_utf8_lossy(&r.body).contains("reconciling"),
+        "{r:?}"
+    );
+    assert_eq!(h.ledger_with("NEEDS_RECONCILIATION").await, 0);
+    assert_eq!(pending(&h).await, 0);
+    assert_eq!(app.state.provider.lookups(), 0, "nothing to look up");
+    app.state.provider.lookup_down(false);
+    let r = send(&app.router, payment("down-1", PAY)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
+    assert_eq!(app.state.provider.charges(), 1);
+    assert_eq!(h.captured().await, 1);
+}
+
+/// Notes when the guarded call's future is dropped.
+struct DropAt(Arc<Mutex<Option<Instant>>>);
+
+impl Drop for DropAt {
+    fn drop(&mut self) {
+        *self.0.lock().expect("lock") = Some(Instant::now());
+    }
+}
+
+/// Case (point 9): a renewal blocked on a row lock does not freeze the step's
+/// timeout: the call is cut at its timeout, not when the lock is let go.
+pub async fn lease_blocked_renewal_does_not_freeze_the_step_timeout<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let started: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let dropped: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let (s, d) = (Arc::clone(&started), Arc::clone(&dropped));
+    let handler = move |leased: Leased<DB>| {
+        let (s, d) = (Arc::clone(&s), Arc::clone(&d));
+        async move {
+            let r = leased
+                .step(
+                    "slow",
+                    |_k| {
+                        let (s, d) = (Arc::clone(&s), Arc::clone(&d));
+                        async move {
+                            *s.lock().expect("lock") = Some(Instant::now());
+                            let _noted = DropAt(d);
+                            tokio::time::sleep(Duration::from_secs(10)).await;
+                            Ok::<_, crate::lease::CallError<String>>(1u8)
+                        }
+                    },
+                    |_k| async { Ok::<_, String>(Recovered::<u8>::Absent) },
+                )
+                .await;
+            match r {
+                Ok(_) => (StatusCode::CREATED, "done").into_response(),
+                Err(_) => (StatusCode::SERVICE_UNAVAILABLE, "timed out").into_response(),
+            }
+        }
+    };
+    let lease = mode(Duration::from_millis(300))
+        .with_step_timeout(Duration::from_secs(1))
+        .expect("a usable timeout");
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(layer(&h, lease));
+    let request = {
+        let router = router.clone();
+        tokio::spawn(async move { send(&router, payment("slow-1", PAY)).await })
+    };
+    let t0 = loop {
+        if let Some(t) = *started.lock().expect("lock") {
+            break t;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let mut holder = h.pool.begin().await.expect("begin");
+    DB::exec_on(
+        &mut holder,
+        "UPDATE idempotency_records SET generation = generation",
+    )
+    .await
+    .expect("lock the row");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    holder.rollback().await.expect("let go");
+    let r = request.await.expect("no panic");
+    let cut = dropped.lock().expect("lock").expect("the call was dropped") - t0;
+    assert!(
+        cut < Duration::from_millis(2500),
+        "a 1 s step timeout fired after {cut:?}: {r:?}"
+    );
+}
+
+/// Case (point 10): step and point names are checked against one limit on every
+/// store, refused with a typed error before anything runs, and no raw
+/// database message reaches the client.
+pub async fn lease_step_and_point_names_are_validated<DB: ConformanceDb>(h: Harness<DB>) {
+    let provider = Arc::new(Provider::default());
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (p, s, c) = (Arc::clone(&provider), Arc::clone(&seen), Arc::clone(&calls));
+    let handler = move |leased: Leased<DB>| {
+        let (p, s, c) = (Arc::clone(&p), Arc::clone(&s), Arc::clone(&c));
+        async move {
+            let n = c.fetch_add(1, Ordering::SeqCst);
+            let long = "s".repeat(256);
+            let name = match n {
+                0 => long.as_str(),
+                1 => "nul\0step",
+                _ => "~claim",
+            };
+            let stepped = leased.step(name, |k| p.charge(k, 1), |k| p.lookup(k)).await;
+            s.lock().expect("lock").push(match stepped {
+                Err(StepError::Lease(LeaseError::InvalidName { .. })) => "invalid".into(),
+                other => format!("{other:?}"),
+            });
+            let point = match leased.phase().await {
+                Ok(phase) => phase.commit(name).await,
+                Err(e) => Err(e),
+            };
+            s.lock().expect("lock").push(match point {
+                Err(LeaseError::InvalidName { .. }) => "invalid".into(),
+                other => format!("{other:?}"),
+            });
+            (StatusCode::UNPROCESSABLE_ENTITY, "refused").into_response()
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(layer(&h, mode(Duration::from_secs(30))));
+    for i in 0..3 {
+        let r = send(&router, payment(&format!("name-{i}"), PAY)).await;
+        let body = String::from_utf8_lossy(&r.body).to_lowercase();
+        assert!(!body.contains("data too long"), "{r:?}");
+    }
+    let seen = seen.lock().expect("lock").clone();
+    assert_eq!(seen, vec!["invalid"; 6], "{seen:?}");
+    assert_eq!(provider.posts(), 0);
+}
