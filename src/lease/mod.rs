@@ -7,10 +7,17 @@
 //! mode. What changes:
 //!
 //! - **Claim.** The ledger row commits at once as `PROCESSING`, with a lease
-//!   (`locked_until`, on the database's clock) and a fencing `generation`
-//!   (1). The handler gets a [`Leased`] context (an axum extractor, or the
-//!   request extension) with the key, the generation, the last recovery
-//!   point and what was saved.
+//!   (`locked_until`, on the database's clock), a random claim id and a
+//!   fencing `generation` (1). The handler gets a [`Leased`] context (an
+//!   axum extractor, or the request extension) with the key, the
+//!   generation, the last recovery point, the pending step and what was
+//!   saved.
+//! - **A fence names the claim.** Every write of an attempt names the
+//!   claim id and its generation, in the statement of the write. A row
+//!   deleted (a bare claim the completer removed), purged or expired and
+//!   then claimed again has another claim id, so an owner of the earlier
+//!   row is refused at its first write, though both rows start at
+//!   generation 1.
 //! - **Local phases.** [`Leased::phase`] opens a transaction for business
 //!   writes; [`Phase::commit`] commits them together with the next recovery
 //!   point (and optional JSON data), and only when the row is still at this
@@ -30,7 +37,16 @@
 //!   `NEEDS_RECONCILIATION`. A failed `execute` (an error or a timeout: the
 //!   call may have landed) is followed by `recover` at once. A step without
 //!   a look-up ([`Leased::step_without_lookup`]) can never prove what
-//!   happened: its uncertain outcomes always go to reconciliation.
+//!   happened: its uncertain outcomes always go to reconciliation. An
+//!   `execute` that fails with [`CallError::NotSent`] (connection refused,
+//!   a name that did not resolve: the request provably never left) is no
+//!   uncertainty: the step is no longer pending, nothing is looked up, and
+//!   [`StepError::NotSent`] tells the handler to answer a 5xx, so the lease
+//!   ends and the retry runs the step. Step names are used once per attempt
+//!   (a second step of the same name is [`LeaseError::Misuse`], never the
+//!   first one's result) and, like recovery points, hold at most
+//!   [`MAX_NAME_LEN`] bytes with no control character and no leading `~`
+//!   ([`LeaseError::InvalidName`], on every store alike).
 //! - **Finish.** The handler's answer is recorded as in the default mode
 //!   (status, allow-listed headers, body; `SUCCEEDED` or `FAILED_FINAL`),
 //!   fenced, in one transaction with the writes of [`Leased::final_phase`].
@@ -44,6 +60,11 @@
 //!   rejection after one is recorded as `FAILED_FINAL` and replayed (what
 //!   was committed stays, so the key never runs again with another request
 //!   and is never resumed behind the client's back).
+//! - **Nothing final over a pending step.** An answer of any kind (a
+//!   success, a rejection, or the claim deleted) while a step that may
+//!   have run was not recovered is refused: the record is parked for an
+//!   operator. A resume function that finds [`Leased::pending_step`] runs
+//!   that step (its `recover` runs first) or answers a transient failure.
 //! - **One step at a time, outside phases.** A step begun while another
 //!   runs, or inside an open phase (or after the final phase began), is
 //!   refused with [`LeaseError::Misuse`]; a step begun while an earlier
@@ -60,14 +81,22 @@
 //!   `#lease-lost`; the retry gets the new owner's answer.
 //! - **Reconciliation.** A parked record answers every retry with `503`
 //!   `#reconciling` + `Retry-After` and is never executed again on its own.
-//!   [`Reconciler`](crate::Reconciler) lists and resolves such records
-//!   (of two resolutions of one record exactly one wins); a [`Completer`]
-//!   pass takes them over (`PROCESSING` again while it works, so retries
-//!   meanwhile get `409`) and retries `recover`: `Done` finishes the record,
-//!   a proven `Absent` lets the step run again (with the same step key,
-//!   which the provider deduplicates on), `Unknown` parks it again. A
-//!   record parked by a step without a look-up is left to the operator
-//!   (completers do not list it).
+//!   [`Reconciler`](crate::Reconciler) lists every record whose outcome is
+//!   not settled (parked ones, and leases that lapsed with a step pending,
+//!   whatever operations the completers serve) and resolves them: a
+//!   verdict is recorded or fails with [`ResolveError`](crate::ResolveError)
+//!   saying why (of two verdicts on one record exactly one wins). A
+//!   [`Completer`] pass takes parked records over (`PROCESSING` again while
+//!   it works, so retries meanwhile get `409`) and retries `recover`:
+//!   `Done` finishes the record, a proven `Absent` lets the step run again
+//!   (with the same step key, which the provider deduplicates on),
+//!   `Unknown` parks it again, and the next pass waits longer for it (at
+//!   once after the first park, then a lease, doubling, at most an hour).
+//!   A record parked by a step without a look-up, or whose saved data
+//!   cannot be decoded, is left to the operator (completers do not list
+//!   it).
+//! - **Retention** counts from when the answer is recorded: a record
+//!   settled late replays for the full retention.
 //! - **Completer.** [`Completer`] finds records whose lease lapsed with no
 //!   client retry, takes them over with the same fencing and drives them to
 //!   completion through a resume function registered per operation.
@@ -81,7 +110,7 @@
 //! use http::{Request, Response, StatusCode};
 //! use sqlx::{Sqlite, sqlite::SqlitePoolOptions};
 //! use tower::{ServiceBuilder, ServiceExt};
-//! use tower_idempotency::lease::{LeaseMode, Leased, Recovered};
+//! use tower_idempotency::lease::{CallError, LeaseMode, Leased, Recovered};
 //! use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Principal};
 //!
 //! type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -122,7 +151,7 @@
 //!                         let mut charges = provider.lock().unwrap();
 //!                         let n = charges.len();
 //!                         let id = charges.entry(key.to_string()).or_insert(format!("ch_{n}"));
-//!                         Ok::<_, BoxError>(id.clone())
+//!                         Ok::<_, CallError<BoxError>>(id.clone())
 //!                     }
 //!                 },
 //!                 |key| {

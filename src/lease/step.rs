@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
 
 use super::{LeaseError, Leased};
-use crate::store::{Backend, LeaseWrite};
+use crate::store::{Backend, LeaseWrite, Scope, UnresolvedRecord};
 
 /// The idempotency key of one external step, derived from the ledger row
 /// (principal, operation, key, and a random id drawn at the claim) and the
@@ -26,6 +26,24 @@ impl StepKey {
     /// The key's text.
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// The step key of step `name` of a listed record, for an operator
+    /// who checks the provider before a verdict; `None` for a record
+    /// without a claim id (the default mode, or a row claimed before the
+    /// ledger stored claim ids).
+    pub fn of(record: &UnresolvedRecord, name: &str) -> Option<Self> {
+        let seed = record.claim_id.as_deref()?;
+        Some(Self::derive(&record.scope(), seed, name))
+    }
+
+    fn derive(scope: &Scope<'_>, seed: &str, name: &str) -> Self {
+        let mut h = Sha256::new();
+        for part in [scope.principal, scope.operation, scope.key, seed, name] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+        Self(crate::store::hex(&h.finalize()))
     }
 }
 
@@ -174,18 +192,7 @@ type NoLookup<T, E> = fn(StepKey) -> Ready<Result<Recovered<T>, E>>;
 impl<DB: Backend> Leased<DB> {
     /// The [`StepKey`] of step `name` for this request.
     pub fn step_key(&self, name: &str) -> StepKey {
-        let mut h = Sha256::new();
-        for part in [
-            self.inner.principal.as_str(),
-            self.inner.operation.as_str(),
-            self.inner.key.as_str(),
-            self.inner.step_seed.as_str(),
-            name,
-        ] {
-            h.update((part.len() as u64).to_be_bytes());
-            h.update(part.as_bytes());
-        }
-        StepKey(crate::store::hex(&h.finalize()))
+        StepKey::derive(&self.scope(), &self.inner.step_seed, name)
     }
 
     /// Runs the external step `name` at most once in effect:

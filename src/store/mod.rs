@@ -471,7 +471,8 @@ impl UnresolvedRecord {
         }
     }
 
-    pub(crate) fn scope(&self) -> Scope<'_> {
+    /// The record's scope.
+    pub fn scope(&self) -> Scope<'_> {
         Scope {
             principal: &self.principal,
             operation: &self.operation,

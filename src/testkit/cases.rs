@@ -1320,7 +1320,7 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
     let pool = &pools[0];
     assert_eq!(
         DB::count(pool, "SELECT COUNT(*) FROM tower_idempotency_migrations").await,
-        4
+        5
     );
     assert_eq!(
         DB::count(
@@ -1328,7 +1328,7 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
             "SELECT MAX(version) FROM tower_idempotency_migrations"
         )
         .await,
-        4
+        5
     );
     assert_eq!(
         DB::count(

@@ -93,6 +93,24 @@ impl Provider {
         lock(&self.charges).len()
     }
 
+    /// Every charge: its id (what the handler records) and its amount.
+    pub fn charged(&self) -> HashMap<String, i64> {
+        lock(&self.charges)
+            .iter()
+            .map(|(key, amount)| (charge_id(key), *amount))
+            .collect()
+    }
+
+    /// Whether the provider holds a charge under `key`.
+    pub fn has_charge(&self, key: &StepKey) -> bool {
+        lock(&self.charges).contains_key(key.as_str())
+    }
+
+    /// Forgets the queued faults.
+    pub fn clear_faults(&self) {
+        lock(&self.faults).clear();
+    }
+
     /// How many charge calls were made.
     pub fn posts(&self) -> usize {
         self.posts.load(Ordering::SeqCst)
@@ -111,7 +129,7 @@ impl Provider {
             return Ok(Charge::Declined);
         }
         lock(&self.charges).entry(key.to_string()).or_insert(amount);
-        let id = charge_id(&key);
+        let id = charge_id(key.as_str());
         match fault {
             Some(Fault::ChargeThenHang(d)) => tokio::time::sleep(d).await,
             Some(Fault::ChargeThenDrop) => return Err("connection closed".to_string().into()),
@@ -131,7 +149,7 @@ impl Provider {
         }
         let known = lock(&self.charges).contains_key(key.as_str());
         Ok(if known {
-            Recovered::Done(Charge::Captured(charge_id(&key)))
+            Recovered::Done(Charge::Captured(charge_id(key.as_str())))
         } else {
             Recovered::Absent
         })
@@ -139,8 +157,8 @@ impl Provider {
 }
 
 /// The provider's charge id for a key.
-fn charge_id(key: &StepKey) -> String {
-    format!("ch_{}", key.as_str().get(..16).unwrap_or_default())
+fn charge_id(key: &str) -> String {
+    format!("ch_{}", key.get(..16).unwrap_or_default())
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -373,6 +373,21 @@ impl<DB: ConformanceDb> Harness<DB> {
         DB::count(&self.pool, sql).await
     }
 
+    /// The committed ledger row of a scope, if any.
+    pub async fn record(
+        &self,
+        principal: &str,
+        operation: &str,
+        key: &str,
+    ) -> Option<crate::store::Record> {
+        let scope = crate::store::Scope {
+            principal,
+            operation,
+            key,
+        };
+        DB::fetch(&self.pool, &scope).await.expect("a readable ledger")
+    }
+
     /// Nothing at all was stored.
     pub async fn assert_nothing_stored(&self) {
         assert_eq!(self.orders().await, 0, "orders");
