@@ -9,6 +9,13 @@
 //! attempt**, so the server runs the operation at most once however many
 //! attempts reach it.
 //!
+//! The key is sent as a Structured Field String (RFC 8941: `"…"`, with `"`
+//! and `\` escaped), so servers in either key mode accept it ([`KeyMode`]:
+//! the IETF draft's strict syntax, or the default that also takes a bare
+//! value). An `Idempotency-Key` header the caller set is kept as they sent
+//! it: a bare key is refused by a strict server, so quote it yourself (see
+//! [`IdempotencyKey::to_sf_string`]).
+//!
 //! # What is retried
 //!
 //! | answer | retried? |
@@ -62,7 +69,7 @@ use tower::retry::budget::{Budget, TpsBudget};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::key::IDEMPOTENCY_KEY;
+use crate::key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyMode};
 use crate::replay::IDEMPOTENT_REPLAYED;
 
 mod policy;
@@ -137,7 +144,10 @@ pub struct RetryReport {
     /// Whether the answer carries `Idempotent-Replayed: true`: the first
     /// attempt's answer, recorded by the server, replayed.
     pub replayed: bool,
-    /// The `Idempotency-Key` sent (`None` for methods not guarded).
+    /// The idempotency key, unquoted: the key the server names and
+    /// records (`None` for methods not guarded). For an `Idempotency-Key`
+    /// header the caller set, that header as a lenient server reads it
+    /// (its text as sent when it does not parse).
     pub key: Option<String>,
     /// Why retrying stopped.
     pub stop: RetryStop,
@@ -361,19 +371,26 @@ where
         return send_once(&mut inner, req, left(), report).await;
     }
     let key = match parts.headers.get(IDEMPOTENCY_KEY) {
-        Some(key) => String::from_utf8_lossy(key.as_bytes()).into_owned(),
+        // The caller's own header is sent as they wrote it.
+        Some(value) => callers_key(value),
         None => {
-            let key = parts
-                .extensions
-                .get::<IntentKey>()
-                .map_or_else(|| uuid::Uuid::new_v4().to_string(), |k| k.0.clone());
-            match HeaderValue::from_str(&key) {
-                Ok(value) => {
+            let key = match parts.extensions.get::<IntentKey>() {
+                Some(intent) => IdempotencyKey::new(intent.0.clone()),
+                None => IdempotencyKey::new(uuid::Uuid::new_v4().to_string()),
+            };
+            let sent = key.and_then(|key| {
+                // Printable ASCII in quotes: always a header value.
+                let value = HeaderValue::from_str(&key.to_sf_string())
+                    .map_err(|_| KeyError::InvalidCharacter)?;
+                Ok((key, value))
+            });
+            match sent {
+                Ok((key, value)) => {
                     parts.headers.insert(IDEMPOTENCY_KEY, value);
+                    key.as_str().to_owned()
                 }
                 Err(e) => return Err(fail(report, format!("unusable intent key: {e}").into())),
             }
-            key
         }
     };
     report.key = Some(key);
@@ -435,6 +452,16 @@ where
         report.waited += wait;
         report.attempts += 1;
     }
+}
+
+/// The key of a header the caller set, as a lenient server reads it
+/// (unquoted); its text as sent when it is not a well-formed key (the
+/// server will refuse it).
+fn callers_key(value: &HeaderValue) -> String {
+    IdempotencyKey::parse(value.as_bytes(), KeyMode::Lenient).map_or_else(
+        |_| String::from_utf8_lossy(value.as_bytes()).into_owned(),
+        |key| key.as_str().to_owned(),
+    )
 }
 
 /// One send without retries (a method not guarded, a body over the bound),
