@@ -141,7 +141,8 @@ async fn the_callers_key_and_intent_key_are_kept() {
     assert_eq!(rep.key.as_deref(), Some("mine 2"), "the key, unquoted");
 
     let mut req = post("{}");
-    req.extensions_mut().insert(IntentKey("intent-7".into()));
+    req.extensions_mut()
+        .insert(IntentKey::new("intent-7").unwrap());
     let (task, mut handle) = start(IdempotentRetryLayer::new(), req);
     let (k, _, r) = next(&mut handle).await;
     r.send_response(answer(503, &[], ""));
@@ -576,8 +577,8 @@ async fn the_layers_keys_are_accepted_by_the_server_in_either_key_mode() {
         // A generated key, an intent key, and the intent again (a replay).
         let requests = vec![
             post(r#"{"amount":1000}"#),
-            with_intent(IntentKey("intent-7".into())),
-            with_intent(IntentKey("intent-7".into())),
+            with_intent(IntentKey::new("intent-7").unwrap()),
+            with_intent(IntentKey::new("intent-7").unwrap()),
         ];
         let (statuses, committed) = through_both_halves(mode, requests).await;
         assert_eq!(statuses, [StatusCode::CREATED; 3], "{mode:?}");
@@ -591,6 +592,29 @@ async fn the_layers_keys_are_accepted_by_the_server_in_either_key_mode() {
     }
 }
 
+#[test]
+fn an_intent_key_is_checked_when_made_by_the_servers_rules() {
+    use tower_idempotency::KeyError;
+    for ok in ["order 42 for bob", r#"say "hi" \o/"#, " ", &"k".repeat(255)] {
+        assert_eq!(IntentKey::new(ok).unwrap().as_str(), ok);
+    }
+    assert_eq!(IntentKey::new(""), Err(KeyError::Empty));
+    assert_eq!(IntentKey::new("k".repeat(256)), Err(KeyError::TooLong));
+    for bad in [
+        "caf\u{e9}",
+        "tab\there",
+        "line\nbreak",
+        "nul\0",
+        "del\u{7f}",
+    ] {
+        assert_eq!(
+            IntentKey::new(bad),
+            Err(KeyError::InvalidCharacter),
+            "{bad:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn an_intent_key_with_spaces_quotes_and_backslashes_is_sent_intact() {
     use tower_idempotency::KeyMode;
@@ -598,9 +622,9 @@ async fn an_intent_key_with_spaces_quotes_and_backslashes_is_sent_intact() {
         let spaced = "order 42 for bob";
         let odd = r#"say "hi" \o/"#;
         let requests = vec![
-            with_intent(IntentKey(spaced.into())),
-            with_intent(IntentKey(odd.into())),
-            with_intent(IntentKey(spaced.into())),
+            with_intent(IntentKey::new(spaced).unwrap()),
+            with_intent(IntentKey::new(odd).unwrap()),
+            with_intent(IntentKey::new(spaced).unwrap()),
         ];
         let (statuses, committed) = through_both_halves(mode, requests).await;
         assert_eq!(statuses, [StatusCode::CREATED; 3], "{mode:?}");

@@ -112,8 +112,54 @@ impl Body for RetryBody {
 /// request extensions: the layer sends it instead of a fresh UUID. Use it
 /// when the intent must survive a process restart (keep the key with the
 /// intent, in your database).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IntentKey(pub String);
+///
+/// Guarantees: a key the server accepts in either [`KeyMode`], checked when
+/// it is made by the server's own rules: 1 to
+/// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes of printable ASCII
+/// (`0x20..=0x7E`, so spaces, `"` and `\` too). The layer sends it as a
+/// Structured Field String (`"…"`, with `"` and `\` escaped); the server
+/// names and records it unquoted, as [`as_str`](Self::as_str) gives it.
+///
+/// ```
+/// use tower_idempotency::KeyError;
+/// use tower_idempotency::client::IntentKey;
+///
+/// let key = IntentKey::new("order 42 for bob")?;
+/// assert_eq!(key.as_str(), "order 42 for bob");
+/// assert_eq!(IntentKey::new(""), Err(KeyError::Empty));
+/// assert_eq!(IntentKey::new("a".repeat(256)), Err(KeyError::TooLong));
+/// assert_eq!(IntentKey::new("caf\u{e9}"), Err(KeyError::InvalidCharacter));
+/// # Ok::<(), KeyError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct IntentKey(IdempotencyKey);
+
+impl IntentKey {
+    /// The key of an intent, from its text as meant (unquoted).
+    ///
+    /// # Errors
+    ///
+    /// What is wrong with it, as the server would answer `400` for it:
+    /// [`KeyError::Empty`], [`KeyError::TooLong`] (over
+    /// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes) or
+    /// [`KeyError::InvalidCharacter`] (a byte outside printable ASCII: a
+    /// control character, a tab, a newline, any non-ASCII one).
+    pub fn new(key: impl Into<String>) -> Result<Self, KeyError> {
+        IdempotencyKey::new(key).map(Self)
+    }
+
+    /// The key, unquoted: what the server records.
+    pub fn as_str(&self) -> &str {
+        self.0.as_str()
+    }
+}
+
+impl From<IdempotencyKey> for IntentKey {
+    /// Every [`IdempotencyKey`] meets the same rules.
+    fn from(key: IdempotencyKey) -> Self {
+        Self(key)
+    }
+}
 
 /// Why the layer stopped retrying.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -375,7 +421,7 @@ where
         Some(value) => callers_key(value),
         None => {
             let key = match parts.extensions.get::<IntentKey>() {
-                Some(intent) => IdempotencyKey::new(intent.0.clone()),
+                Some(intent) => Ok(intent.0.clone()),
                 None => IdempotencyKey::new(uuid::Uuid::new_v4().to_string()),
             };
             let sent = key.and_then(|key| {
@@ -389,7 +435,7 @@ where
                     parts.headers.insert(IDEMPOTENCY_KEY, value);
                     key.as_str().to_owned()
                 }
-                Err(e) => return Err(fail(report, format!("unusable intent key: {e}").into())),
+                Err(e) => return Err(fail(report, format!("unusable key: {e}").into())),
             }
         }
     };
