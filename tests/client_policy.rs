@@ -634,3 +634,82 @@ async fn an_intent_key_with_spaces_quotes_and_backslashes_is_sent_intact() {
         assert_eq!(committed.keys, want, "{mode:?}");
     }
 }
+
+/// A body that yields its data, then ends, or fails when `breaks` (a
+/// connection that broke mid-body).
+struct Scripted {
+    data: Option<Bytes>,
+    breaks: bool,
+}
+
+impl http_body::Body for Scripted {
+    type Data = Bytes;
+    type Error = std::io::Error;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(match self.data.take() {
+            Some(data) => Some(Ok(http_body::Frame::data(data))),
+            None if self.breaks => Some(Err(std::io::ErrorKind::ConnectionReset.into())),
+            None => None,
+        })
+    }
+}
+
+fn broken_in_flight() -> Response<Scripted> {
+    Response::builder()
+        .status(409)
+        .header("content-type", "application/problem+json")
+        .body(Scripted {
+            data: Some(Bytes::from_static(br#"{"type":"https://"#)),
+            breaks: true,
+        })
+        .unwrap()
+}
+
+fn created() -> Response<Scripted> {
+    Response::builder()
+        .status(201)
+        .body(Scripted {
+            data: Some(Bytes::from_static(b"{}")),
+            breaks: false,
+        })
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_409_whose_body_breaks_mid_read_is_retried_with_the_same_key() {
+    let (service, mut handle) = mock::pair::<Request<RetryBody>, Response<Scripted>>();
+    let svc = IdempotentRetryLayer::new()
+        .with_max_attempts(3)
+        .layer(service);
+    let task = tokio::spawn(async move { svc.oneshot(post("{}")).await });
+    let (req, r) = handle.next_request().await.unwrap();
+    let k1 = req.headers()["idempotency-key"].clone();
+    r.send_response(broken_in_flight());
+    let (req, r) = handle.next_request().await.expect("a second attempt");
+    assert_eq!(req.headers()["idempotency-key"], k1, "the same key");
+    r.send_response(created());
+    let res = task.await.unwrap().expect("the second attempt's answer");
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert_eq!(report(&res).attempts, 2);
+
+    // Broken every time: the attempts bound it, and the caller is told
+    // there was no answer (not that the answer was final).
+    let (service, mut handle) = mock::pair::<Request<RetryBody>, Response<Scripted>>();
+    let svc = IdempotentRetryLayer::new()
+        .with_max_attempts(3)
+        .layer(service);
+    let task = tokio::spawn(async move { svc.oneshot(post("{}")).await });
+    for _ in 0..3 {
+        let (_, r) = handle.next_request().await.unwrap();
+        r.send_response(broken_in_flight());
+    }
+    let err = task.await.unwrap().unwrap_err();
+    assert_eq!(
+        (err.report.attempts, err.report.stop),
+        (3, RetryStop::Attempts),
+        "{err}"
+    );
+}

@@ -20,7 +20,7 @@
 //!
 //! | answer | retried? |
 //! |---|---|
-//! | connection error, or the attempt's own timeout (the request may have landed: exactly when the key matters) | yes |
+//! | connection error (a `409` body that breaks while the layer reads it included), or the attempt's own timeout (the request may have landed: exactly when the key matters) | yes |
 //! | `409` whose problem `type` is `#in-flight`, `#unconfirmed` or `#lease-lost` (this crate's server layer) | yes, honouring `Retry-After` |
 //! | `429`, `502`, `503`, `504` | yes, honouring `Retry-After` (seconds, or an HTTP-date in any of its three forms) |
 //! | `422` key reused, `410` expired, any other `409` (a business conflict: told apart by the problem `type`, not the status), other 4xx, `500`, 2xx, 3xx | no: final |
@@ -555,7 +555,8 @@ where
 
 /// Judges one attempt. A `409` problem document is read (at most
 /// [`MAX_PROBLEM`] bytes) to see its type; any other body, and a larger
-/// one, is handed on as it came (what was read first, then the rest).
+/// one, is handed on as it came (what was read first, then the rest). A
+/// `409` body that fails mid-read is no answer: retried.
 async fn judge(
     answer: Result<Response<RetryBody>, BoxError>,
 ) -> (Result<Response<RetryBody>, BoxError>, Verdict) {
@@ -579,8 +580,9 @@ async fn judge(
             };
             (Ok(Response::from_parts(parts, read.into_body())), verdict)
         }
-        // The body failed while being read: final, as an error.
-        Err(e) => (Err(e), Verdict::Final),
+        // The body broke while being read: a connection error (the request
+        // may have landed), retried with the same key like any other.
+        Err(e) => (Err(e), Verdict::Retry(policy::retry_after(&parts.headers))),
     }
 }
 
