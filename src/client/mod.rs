@@ -43,10 +43,16 @@
 //!
 //! A per-request timeout the caller stacks *inside* this layer (such as
 //! `tower::timeout::TimeoutLayer` between it and the client) bounds each
-//! attempt; the layer's deadline bounds the whole. What happened travels on
-//! the response's extensions as a [`RetryReport`] (attempts, total wait,
-//! whether the answer was a replay, the key), and on a failure as a
-//! [`RetryError`].
+//! attempt; the layer's deadline bounds the whole. Both end once an
+//! answer's headers are in (and the `409` problem document the layer reads
+//! to judge it): the caller bounds the reading of the answer's body, in
+//! time and size (`tokio::time::timeout_at` with the same deadline and
+//! `http_body_util::Limited`, as `examples/order_client.rs` does), or a peer
+//! that never finishes the body holds the caller forever.
+//!
+//! What happened travels on the response's extensions as a [`RetryReport`]
+//! (attempts, total wait, whether the answer was a replay, the key), and on
+//! a failure as a [`RetryError`].
 //!
 //! [`with_max_attempts`]: IdempotentRetryLayer::with_max_attempts
 //! [`with_deadline`]: IdempotentRetryLayer::with_deadline
