@@ -19,27 +19,35 @@
 //! {"orders":20,"ok":20,"failed":0,"attempts":23,"replayed":2}
 //! ```
 //!
-//! The exit status is 0 only when every order got a 2xx answer.
+//! The exit status is 0 only when every order got a 2xx answer, read whole.
 //!
 //! The stack, outermost first: the retry layer (attempts, deadline, backoff
 //! with full jitter, `Retry-After`, the shared budget), then a per-attempt
 //! timeout, then the client. `--attempts` is the total number of sends per
 //! order, the first included; `--deadline-ms` bounds each order's whole
-//! time, waits included.
+//! time, waits included, and the reading of its answer's body: the layer's
+//! bounds end once the answer's headers are in, so the body is read here
+//! within what is left of the deadline and at most [`MAX_ANSWER`] bytes. A
+//! body that does not end in time, or is larger, fails the order (its line
+//! says why).
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, header};
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 use tower::retry::budget::TpsBudget;
 use tower::timeout::TimeoutLayer;
 use tower::{ServiceBuilder, ServiceExt};
-use tower_idempotency::client::{IdempotentRetryLayer, RetryBody, RetryReport};
+use tower_idempotency::client::{IdempotentRetryLayer, RetryBody, RetryError, RetryReport};
+
+/// The most of an answer's body read: an order's answer is a small JSON
+/// document.
+const MAX_ANSWER: usize = 64 * 1024;
 
 const HELP: &str = "\
 order_client: place orders through the idempotent retry layer
@@ -50,9 +58,11 @@ order_client: place orders through the idempotent retry layer
   --principal NAME     sent as Authorization: Bearer NAME (required)
   --sku SKU            the item of every order (required)
   --attempts K         sends per order, the first included (default 8)
-  --deadline-ms MS     each order's whole time, waits included (default 20000)
+  --deadline-ms MS     each order's whole time, waits and its answer's body
+                       included (default 20000)
 
 Every attempt has its own timeout (5 s, or less when the deadline is nearer).
+The answer's body is read within the deadline too, and at most 64 KiB.
 The retry budget is shared by all orders. It protects the service against an
 outage, not against a lossy link: it allows 10 retries a second plus two per
 order placed in the last 10 s, so a run in which a third (or even all) of the
@@ -135,6 +145,7 @@ async fn main() -> ExitCode {
     let mut tasks = Vec::new();
     for n in 0..args.orders {
         let (service, gate) = (service.clone(), std::sync::Arc::clone(&gate));
+        let deadline = args.deadline;
         let req = Request::post(&url)
             .header(header::CONTENT_TYPE, "application/json")
             .header(header::AUTHORIZATION, &auth)
@@ -145,7 +156,9 @@ async fn main() -> ExitCode {
                 Ok(req) => req,
                 Err(e) => return json!({"n": n, "status": 0, "error": e.to_string()}),
             };
-            place(n, service.oneshot(req).await).await
+            // The order's deadline, the reading of its answer included.
+            let by = tokio::time::Instant::now() + deadline;
+            place(n, service.oneshot(req).await, by).await
         }));
     }
     let (mut ok, mut attempts, mut replayed) = (0u32, 0u64, 0u32);
@@ -154,7 +167,7 @@ async fn main() -> ExitCode {
             .await
             .unwrap_or_else(|e| json!({"n": n, "status": 0, "error": e.to_string()}));
         let status = line["status"].as_u64().unwrap_or(0);
-        ok += u32::from((200..300).contains(&status));
+        ok += u32::from((200..300).contains(&status) && line["error"].is_null());
         attempts += line["attempts"].as_u64().unwrap_or(0);
         replayed += u32::from(line["replayed"].as_bool().unwrap_or(false));
         println!("{line}");
@@ -171,44 +184,59 @@ async fn main() -> ExitCode {
     }
 }
 
-/// One order's line, from its answer (or the error after the last attempt).
+/// One order's line, from its answer (or the error after the last
+/// attempt); the answer's body is read by `by`, at most [`MAX_ANSWER`]
+/// bytes.
 async fn place(
     n: u32,
-    answer: Result<http::Response<RetryBody>, tower_idempotency::client::RetryError>,
+    answer: Result<http::Response<RetryBody>, RetryError>,
+    by: tokio::time::Instant,
 ) -> Value {
-    match answer {
-        Ok(res) => {
-            let report = res.extensions().get::<RetryReport>().cloned();
-            let status = res.status().as_u16();
-            let body = res.into_body().collect().await.map(|b| b.to_bytes());
-            let order: Value = body
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok())
-                .unwrap_or(Value::Null);
-            let report = report.unwrap_or(RetryReport {
-                attempts: 1,
-                waited: Duration::ZERO,
-                replayed: false,
-                key: None,
-                stop: tower_idempotency::client::RetryStop::Final,
-            });
-            json!({
+    let res = match answer {
+        Ok(res) => res,
+        Err(e) => {
+            return json!({
                 "n": n,
-                "status": status,
-                "orderId": order["orderId"],
-                "attempts": report.attempts,
-                "replayed": report.replayed,
-                "key": report.key,
-            })
+                "status": 0,
+                "orderId": null,
+                "attempts": e.report.attempts,
+                "replayed": false,
+                "key": e.report.key,
+                "error": e.to_string(),
+            });
         }
-        Err(e) => json!({
-            "n": n,
-            "status": 0,
-            "orderId": null,
-            "attempts": e.report.attempts,
-            "replayed": false,
-            "key": e.report.key,
-            "error": e.to_string(),
-        }),
+    };
+    let report = res.extensions().get::<RetryReport>().cloned();
+    let status = res.status().as_u16();
+    let read = Limited::new(res.into_body(), MAX_ANSWER).collect();
+    let (order, error) = match tokio::time::timeout_at(by, read).await {
+        Ok(Ok(body)) => (
+            serde_json::from_slice(&body.to_bytes()).unwrap_or(Value::Null),
+            None,
+        ),
+        Ok(Err(e)) => (Value::Null, Some(format!("reading the answer: {e}"))),
+        Err(_) => (
+            Value::Null,
+            Some("the answer's body did not end by the deadline".to_string()),
+        ),
+    };
+    let report = report.unwrap_or(RetryReport {
+        attempts: 1,
+        waited: Duration::ZERO,
+        replayed: false,
+        key: None,
+        stop: tower_idempotency::client::RetryStop::Final,
+    });
+    let mut line = json!({
+        "n": n,
+        "status": status,
+        "orderId": order["orderId"],
+        "attempts": report.attempts,
+        "replayed": report.replayed,
+        "key": report.key,
+    });
+    if let Some(error) = error {
+        line["error"] = Value::String(error);
     }
+    line
 }

@@ -10,6 +10,10 @@
 //! value may not contain whitespace, `"`, `\` or `,` (a comma is how HTTP
 //! folds two header lines into one, so it would make the key ambiguous).
 //! Two `Idempotency-Key` header lines are refused.
+//!
+//! [`IdempotencyKey::new`] makes a key from its text under the same rules,
+//! and [`IdempotencyKey::to_sf_string`] writes it in the quoted form, which
+//! both modes accept (the client half sends keys that way).
 
 use http::HeaderMap;
 
@@ -43,6 +47,22 @@ impl IdempotencyKey {
         &self.0
     }
 
+    /// A key from its text as meant, unquoted, under the rules a parsed
+    /// header's key meets: 1 to [`MAX_KEY_LEN`] bytes of printable ASCII
+    /// (spaces, `"` and `\` included; [`to_sf_string`] quotes them).
+    ///
+    /// # Errors
+    ///
+    /// [`KeyError::InvalidCharacter`] for a byte outside printable ASCII
+    /// (`0x20..=0x7E`), [`KeyError::Empty`], [`KeyError::TooLong`].
+    ///
+    /// [`to_sf_string`]: Self::to_sf_string
+    pub fn new(key: impl Into<String>) -> Result<Self, KeyError> {
+        let key = key.into();
+        check(key.as_bytes())?;
+        Ok(Self(key))
+    }
+
     /// Parses one header value under `mode`.
     pub fn parse(value: &[u8], mode: KeyMode) -> Result<Self, KeyError> {
         let value = trim_ows(value);
@@ -52,13 +72,24 @@ impl IdempotencyKey {
             Some(_) => parse_bare(value)?,
             None => return Err(KeyError::Empty),
         };
-        if key.is_empty() {
-            return Err(KeyError::Empty);
+        Self::new(key)
+    }
+
+    /// The key as an RFC 8941 Structured Field String (§4.1.6): in double
+    /// quotes, each `"` and `\` escaped with a `\`. Every key has this
+    /// form, both [`KeyMode`]s accept it, and [`parse`](Self::parse) gives
+    /// back this key.
+    pub fn to_sf_string(&self) -> String {
+        let mut out = String::with_capacity(self.0.len() + 2);
+        out.push('"');
+        for c in self.0.chars() {
+            if matches!(c, '"' | '\\') {
+                out.push('\\');
+            }
+            out.push(c);
         }
-        if key.len() > MAX_KEY_LEN {
-            return Err(KeyError::TooLong);
-        }
-        Ok(Self(key))
+        out.push('"');
+        out
     }
 
     /// Reads the key from request headers: `Ok(None)` when the header is
@@ -122,6 +153,21 @@ impl std::fmt::Display for KeyError {
 }
 
 impl std::error::Error for KeyError {}
+
+/// What every key meets, unquoted: printable ASCII, not empty, at most
+/// [`MAX_KEY_LEN`] bytes.
+fn check(key: &[u8]) -> Result<(), KeyError> {
+    if !key.iter().all(|c| (0x20..=0x7e).contains(c)) {
+        return Err(KeyError::InvalidCharacter);
+    }
+    if key.is_empty() {
+        return Err(KeyError::Empty);
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong);
+    }
+    Ok(())
+}
 
 fn trim_ows(mut v: &[u8]) -> &[u8] {
     while let [b' ' | b'\t', rest @ ..] = v {
@@ -217,6 +263,53 @@ mod tests {
         assert_eq!(
             lenient(&format!("\"{}\"", "a".repeat(256))),
             Err(KeyError::TooLong)
+        );
+    }
+
+    #[test]
+    fn a_key_made_from_its_text_meets_the_parsers_rules() {
+        assert_eq!(
+            IdempotencyKey::new("order 42 for bob").unwrap().as_str(),
+            "order 42 for bob"
+        );
+        assert_eq!(IdempotencyKey::new(""), Err(KeyError::Empty));
+        assert_eq!(IdempotencyKey::new("a".repeat(256)), Err(KeyError::TooLong));
+        assert_eq!(
+            IdempotencyKey::new("a".repeat(255)).unwrap().as_str().len(),
+            255
+        );
+        for bad in ["caf\u{e9}", "a\tb", "a\nb", "\u{7f}"] {
+            assert_eq!(
+                IdempotencyKey::new(bad),
+                Err(KeyError::InvalidCharacter),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_sf_string_parses_back_to_the_key_in_both_modes() {
+        for text in [
+            "k-1",
+            "order 42 for bob",
+            r#"say "hi" \o/"#,
+            "\\",
+            "\"",
+            " ",
+        ] {
+            let key = IdempotencyKey::new(text).unwrap();
+            let sf = key.to_sf_string();
+            for mode in [KeyMode::Lenient, KeyMode::Strict] {
+                assert_eq!(
+                    IdempotencyKey::parse(sf.as_bytes(), mode).as_ref(),
+                    Ok(&key),
+                    "{sf}"
+                );
+            }
+        }
+        assert_eq!(
+            IdempotencyKey::new(r#"a"b\c"#).unwrap().to_sf_string(),
+            r#""a\"b\\c""#
         );
     }
 

@@ -219,7 +219,9 @@
 //!   is never marked processed. See [`consumer`].
 //! - **Clients** (feature `client`): `client::IdempotentRetryLayer` keeps
 //!   one key per logical request and retries it safely (bounded attempts,
-//!   deadline, `Retry-After`, a shared budget).
+//!   deadline, `Retry-After`, a shared budget). The key is sent as a
+//!   Structured Field String (`"…"`) so servers in either [`KeyMode`]
+//!   accept it.
 
 #![deny(unreachable_pub, unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]

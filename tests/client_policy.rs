@@ -2,6 +2,10 @@
 //! retried, `Retry-After`, one key for every attempt, the deadline, the
 //! attempts and the budget bounding it, and the body re-sent byte for byte.
 //! Time is paused: waits are exact and instant.
+//!
+//! And both halves in one process: the client layer in front of the crate's
+//! own server layer on in-memory SQLite, in either key mode, judged by the
+//! rows committed.
 
 use std::time::Duration;
 
@@ -89,14 +93,19 @@ async fn one_key_for_every_attempt_and_the_body_byte_for_byte() {
     assert_eq!(res.status(), StatusCode::CREATED);
     assert_eq!(k1, k2);
     assert_eq!(k2, k3);
-    assert!(uuid_v4(&k1), "{k1}");
+    // A Structured Field String: the UUID in quotes.
+    let uuid = k1
+        .strip_prefix('"')
+        .and_then(|k| k.strip_suffix('"'))
+        .unwrap_or_else(|| panic!("not quoted: {k1}"));
+    assert!(uuid_v4(uuid), "{k1}");
     for b in [&b1, &b2, &b3] {
         assert_eq!(&b[..], body.as_bytes());
     }
     let rep = report(&res);
     assert_eq!(rep.attempts, 3);
     assert!(rep.replayed);
-    assert_eq!(rep.key.as_deref(), Some(k1.as_str()));
+    assert_eq!(rep.key.as_deref(), Some(uuid), "the key, unquoted");
     assert!(
         rep.waited >= Duration::from_secs(1),
         "Retry-After honoured: {rep:?}"
@@ -117,18 +126,34 @@ async fn the_callers_key_and_intent_key_are_kept() {
     let (task, mut handle) = start(IdempotentRetryLayer::new(), req);
     let (k, _, r) = next(&mut handle).await;
     r.send_response(answer(201, &[], "{}"));
-    assert_eq!(k, "mine-1");
-    task.await.unwrap().unwrap();
+    assert_eq!(k, "mine-1", "the caller's header, as they sent it");
+    let rep = report(&task.await.unwrap().unwrap());
+    assert_eq!(rep.key.as_deref(), Some("mine-1"));
 
     let mut req = post("{}");
-    req.extensions_mut().insert(IntentKey("intent-7".into()));
+    req.headers_mut()
+        .insert("idempotency-key", r#""mine 2""#.parse().unwrap());
+    let (task, mut handle) = start(IdempotentRetryLayer::new(), req);
+    let (k, _, r) = next(&mut handle).await;
+    r.send_response(answer(201, &[], "{}"));
+    assert_eq!(k, r#""mine 2""#);
+    let rep = report(&task.await.unwrap().unwrap());
+    assert_eq!(rep.key.as_deref(), Some("mine 2"), "the key, unquoted");
+
+    let mut req = post("{}");
+    req.extensions_mut()
+        .insert(IntentKey::new("intent-7").unwrap());
     let (task, mut handle) = start(IdempotentRetryLayer::new(), req);
     let (k, _, r) = next(&mut handle).await;
     r.send_response(answer(503, &[], ""));
     let (k2, _, r) = next(&mut handle).await;
     r.send_response(answer(201, &[], "{}"));
-    assert_eq!((k.as_str(), k2.as_str()), ("intent-7", "intent-7"));
-    task.await.unwrap().unwrap();
+    assert_eq!(
+        (k.as_str(), k2.as_str()),
+        (r#""intent-7""#, r#""intent-7""#)
+    );
+    let rep = report(&task.await.unwrap().unwrap());
+    assert_eq!(rep.key.as_deref(), Some("intent-7"));
 }
 
 #[tokio::test(start_paused = true)]
@@ -462,4 +487,229 @@ async fn a_large_business_409_is_delivered_intact() {
         let body = res.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(&body[..], big.as_bytes(), "{content_type}");
     }
+}
+
+// ---- both halves: the client layer in front of the crate's own server ----
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a run through both halves committed: orders, and the recorded
+/// answers' keys.
+struct Committed {
+    orders: i64,
+    keys: Vec<String>,
+}
+
+/// Sends `requests` one after another through the client layer in front
+/// of an [`IdempotencyLayer`] in `mode` on in-memory SQLite (one
+/// connection: one database), whose handler inserts one order; answers
+/// with each request's status and the rows committed.
+async fn through_both_halves(
+    mode: tower_idempotency::KeyMode,
+    requests: Vec<Request<Full<Bytes>>>,
+) -> (Vec<StatusCode>, Committed) {
+    use sqlx::Sqlite;
+    use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Principal, Tx};
+
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect("sqlite::memory:")
+        .await
+        .unwrap();
+    tower_idempotency::migrate(&pool).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let create_order = |req: Request<IdempotencyBody<RetryBody>>| async move {
+        let tx = req
+            .extensions()
+            .get::<Tx<Sqlite>>()
+            .cloned()
+            .ok_or("no claimed transaction")?;
+        let mut conn = tx.lock()?;
+        let id: i64 = sqlx::query_scalar("INSERT INTO orders DEFAULT VALUES RETURNING id")
+            .fetch_one(&mut *conn)
+            .await?;
+        Ok::<_, BoxError>(
+            Response::builder()
+                .status(201)
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(format!(r#"{{"orderId":{id}}}"#))))?,
+        )
+    };
+    let service = tower::ServiceBuilder::new()
+        .layer(IdempotentRetryLayer::new().with_max_attempts(2))
+        .layer(
+            IdempotencyLayer::new(pool.clone())
+                .with_key_mode(mode)
+                .with_principal(|_| Some(Principal::new("user-1"))),
+        )
+        .service_fn(create_order);
+    let mut statuses = Vec::new();
+    for req in requests {
+        let res = service.clone().oneshot(req).await.unwrap();
+        statuses.push(res.status());
+    }
+    let orders = sqlx::query_scalar("SELECT COUNT(*) FROM orders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let keys = sqlx::query_scalar(
+        "SELECT idem_key FROM idempotency_records WHERE status = 'SUCCEEDED' ORDER BY idem_key",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    (statuses, Committed { orders, keys })
+}
+
+fn with_intent(key: IntentKey) -> Request<Full<Bytes>> {
+    let mut req = post(r#"{"amount":1000}"#);
+    req.extensions_mut().insert(key);
+    req
+}
+
+#[tokio::test]
+async fn the_layers_keys_are_accepted_by_the_server_in_either_key_mode() {
+    use tower_idempotency::KeyMode;
+    for mode in [KeyMode::Lenient, KeyMode::Strict] {
+        // A generated key, an intent key, and the intent again (a replay).
+        let requests = vec![
+            post(r#"{"amount":1000}"#),
+            with_intent(IntentKey::new("intent-7").unwrap()),
+            with_intent(IntentKey::new("intent-7").unwrap()),
+        ];
+        let (statuses, committed) = through_both_halves(mode, requests).await;
+        assert_eq!(statuses, [StatusCode::CREATED; 3], "{mode:?}");
+        assert_eq!(committed.orders, 2, "one order per intent: {mode:?}");
+        assert_eq!(committed.keys.len(), 2, "{mode:?}");
+        assert!(
+            committed.keys.iter().any(|k| k == "intent-7"),
+            "the intent key, unquoted, names the record: {:?}",
+            committed.keys
+        );
+    }
+}
+
+#[test]
+fn an_intent_key_is_checked_when_made_by_the_servers_rules() {
+    use tower_idempotency::KeyError;
+    for ok in ["order 42 for bob", r#"say "hi" \o/"#, " ", &"k".repeat(255)] {
+        assert_eq!(IntentKey::new(ok).unwrap().as_str(), ok);
+    }
+    assert_eq!(IntentKey::new(""), Err(KeyError::Empty));
+    assert_eq!(IntentKey::new("k".repeat(256)), Err(KeyError::TooLong));
+    for bad in [
+        "caf\u{e9}",
+        "tab\there",
+        "line\nbreak",
+        "nul\0",
+        "del\u{7f}",
+    ] {
+        assert_eq!(
+            IntentKey::new(bad),
+            Err(KeyError::InvalidCharacter),
+            "{bad:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_intent_key_with_spaces_quotes_and_backslashes_is_sent_intact() {
+    use tower_idempotency::KeyMode;
+    for mode in [KeyMode::Lenient, KeyMode::Strict] {
+        let spaced = "order 42 for bob";
+        let odd = r#"say "hi" \o/"#;
+        let requests = vec![
+            with_intent(IntentKey::new(spaced).unwrap()),
+            with_intent(IntentKey::new(odd).unwrap()),
+            with_intent(IntentKey::new(spaced).unwrap()),
+        ];
+        let (statuses, committed) = through_both_halves(mode, requests).await;
+        assert_eq!(statuses, [StatusCode::CREATED; 3], "{mode:?}");
+        assert_eq!(committed.orders, 2, "{mode:?}");
+        let mut want = vec![spaced.to_string(), odd.to_string()];
+        want.sort();
+        assert_eq!(committed.keys, want, "{mode:?}");
+    }
+}
+
+/// A body that yields its data, then ends, or fails when `breaks` (a
+/// connection that broke mid-body).
+struct Scripted {
+    data: Option<Bytes>,
+    breaks: bool,
+}
+
+impl http_body::Body for Scripted {
+    type Data = Bytes;
+    type Error = std::io::Error;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(match self.data.take() {
+            Some(data) => Some(Ok(http_body::Frame::data(data))),
+            None if self.breaks => Some(Err(std::io::ErrorKind::ConnectionReset.into())),
+            None => None,
+        })
+    }
+}
+
+fn broken_in_flight() -> Response<Scripted> {
+    Response::builder()
+        .status(409)
+        .header("content-type", "application/problem+json")
+        .body(Scripted {
+            data: Some(Bytes::from_static(br#"{"type":"https://"#)),
+            breaks: true,
+        })
+        .unwrap()
+}
+
+fn created() -> Response<Scripted> {
+    Response::builder()
+        .status(201)
+        .body(Scripted {
+            data: Some(Bytes::from_static(b"{}")),
+            breaks: false,
+        })
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_409_whose_body_breaks_mid_read_is_retried_with_the_same_key() {
+    let (service, mut handle) = mock::pair::<Request<RetryBody>, Response<Scripted>>();
+    let svc = IdempotentRetryLayer::new()
+        .with_max_attempts(3)
+        .layer(service);
+    let task = tokio::spawn(async move { svc.oneshot(post("{}")).await });
+    let (req, r) = handle.next_request().await.unwrap();
+    let k1 = req.headers()["idempotency-key"].clone();
+    r.send_response(broken_in_flight());
+    let (req, r) = handle.next_request().await.expect("a second attempt");
+    assert_eq!(req.headers()["idempotency-key"], k1, "the same key");
+    r.send_response(created());
+    let res = task.await.unwrap().expect("the second attempt's answer");
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert_eq!(report(&res).attempts, 2);
+
+    // Broken every time: the attempts bound it, and the caller is told
+    // there was no answer (not that the answer was final).
+    let (service, mut handle) = mock::pair::<Request<RetryBody>, Response<Scripted>>();
+    let svc = IdempotentRetryLayer::new()
+        .with_max_attempts(3)
+        .layer(service);
+    let task = tokio::spawn(async move { svc.oneshot(post("{}")).await });
+    for _ in 0..3 {
+        let (_, r) = handle.next_request().await.unwrap();
+        r.send_response(broken_in_flight());
+    }
+    let err = task.await.unwrap().unwrap_err();
+    assert_eq!(
+        (err.report.attempts, err.report.stop),
+        (3, RetryStop::Attempts),
+        "{err}"
+    );
 }

@@ -6,6 +6,10 @@
 //! rows: one order per logical request, stock decremented once per order,
 //! every client line's `orderId` committed, and each client's answer the
 //! first committed answer for its key.
+//!
+//! And `order_client` against a server that sends an answer's headers and
+//! never finishes its body: the process exits by its deadline (or sooner,
+//! when the body passes its size bound), killed by the test if it does not.
 
 mod common;
 
@@ -291,4 +295,92 @@ async fn postgres_orders_through_a_lossy_link() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_orders_through_a_lossy_link() {
     orders_through_a_lossy_link::<sqlx::Sqlite>().await;
+}
+
+/// A server on loopback that answers every request with `201` headers
+/// promising a body of `declared` bytes, sends `sent` bytes of it (at
+/// most 8 MiB, in 64 KiB writes), and then never finishes it: the
+/// connection stays open and silent until the client closes it.
+async fn unfinished_body_server(declared: u64, sent: usize) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let sent = sent.min(8 << 20);
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                if read_message(&mut conn).await.ok().flatten().is_none() {
+                    return;
+                }
+                let head = format!(
+                    "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: {declared}\r\n\r\n"
+                );
+                if conn.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                let chunk = vec![b' '; 64 * 1024];
+                let mut left = sent;
+                while left > 0 {
+                    let n = left.min(chunk.len());
+                    if conn.write_all(&chunk[..n]).await.is_err() {
+                        return;
+                    }
+                    left -= n;
+                }
+                // Hold the connection, silent, until the client closes it.
+                let _ = conn.read(&mut [0u8; 1]).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Runs `order_client` for one order against `addr` with `deadline_ms`;
+/// the process is killed if it has not exited within `within`.
+async fn one_order(addr: &str, deadline_ms: u64, within: Duration) -> std::process::Output {
+    let run = Command::new(common::example("order_client"))
+        .args([
+            "--base-url",
+            &format!("http://{addr}"),
+            "--orders",
+            "1",
+            "--concurrency",
+            "1",
+            "--principal",
+            "stalled-user",
+            "--sku",
+            "sku-1",
+            "--deadline-ms",
+            &deadline_ms.to_string(),
+        ])
+        .kill_on_drop(true)
+        .output();
+    let started = std::time::Instant::now();
+    let out = tokio::time::timeout(within, run).await.unwrap_or_else(|_| {
+        panic!("order_client still running {within:?} after it started (killed)")
+    });
+    println!("order_client exited after {:?}", started.elapsed());
+    out.unwrap()
+}
+
+#[tokio::test]
+async fn an_answer_body_that_never_ends_is_cut_at_the_deadline() {
+    // Headers, a few bytes of the body, then silence.
+    let addr = unfinished_body_server(1000, 10).await;
+    let out = one_order(&addr, 2000, Duration::from_secs(10)).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "no order was confirmed: {stdout}");
+    let line: Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+    assert!(line["error"].is_string(), "the line says why: {line}");
+}
+
+#[tokio::test]
+async fn an_answer_body_over_the_bound_is_cut_before_the_deadline() {
+    // A body declared and sent far larger than any order answer; the
+    // deadline (60 s) is not what ends it.
+    let addr = unfinished_body_server(1 << 40, 8 << 20).await;
+    let out = one_order(&addr, 60_000, Duration::from_secs(20)).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "no order was confirmed: {stdout}");
+    let line: Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+    assert!(line["error"].is_string(), "the line says why: {line}");
 }

@@ -9,11 +9,18 @@
 //! attempt**, so the server runs the operation at most once however many
 //! attempts reach it.
 //!
+//! The key is sent as a Structured Field String (RFC 8941: `"…"`, with `"`
+//! and `\` escaped), so servers in either key mode accept it ([`KeyMode`]:
+//! the IETF draft's strict syntax, or the default that also takes a bare
+//! value). An `Idempotency-Key` header the caller set is kept as they sent
+//! it: a bare key is refused by a strict server, so quote it yourself (see
+//! [`IdempotencyKey::to_sf_string`]).
+//!
 //! # What is retried
 //!
 //! | answer | retried? |
 //! |---|---|
-//! | connection error, or the attempt's own timeout (the request may have landed: exactly when the key matters) | yes |
+//! | connection error (a `409` body that breaks while the layer reads it included), or the attempt's own timeout (the request may have landed: exactly when the key matters) | yes |
 //! | `409` whose problem `type` is `#in-flight`, `#unconfirmed` or `#lease-lost` (this crate's server layer) | yes, honouring `Retry-After` |
 //! | `429`, `502`, `503`, `504` | yes, honouring `Retry-After` (seconds, or an HTTP-date in any of its three forms) |
 //! | `422` key reused, `410` expired, any other `409` (a business conflict: told apart by the problem `type`, not the status), other 4xx, `500`, 2xx, 3xx | no: final |
@@ -36,10 +43,16 @@
 //!
 //! A per-request timeout the caller stacks *inside* this layer (such as
 //! `tower::timeout::TimeoutLayer` between it and the client) bounds each
-//! attempt; the layer's deadline bounds the whole. What happened travels on
-//! the response's extensions as a [`RetryReport`] (attempts, total wait,
-//! whether the answer was a replay, the key), and on a failure as a
-//! [`RetryError`].
+//! attempt; the layer's deadline bounds the whole. Both end once an
+//! answer's headers are in (and the `409` problem document the layer reads
+//! to judge it): the caller bounds the reading of the answer's body, in
+//! time and size (`tokio::time::timeout_at` with the same deadline and
+//! `http_body_util::Limited`, as `examples/order_client.rs` does), or a peer
+//! that never finishes the body holds the caller forever.
+//!
+//! What happened travels on the response's extensions as a [`RetryReport`]
+//! (attempts, total wait, whether the answer was a replay, the key), and on
+//! a failure as a [`RetryError`].
 //!
 //! [`with_max_attempts`]: IdempotentRetryLayer::with_max_attempts
 //! [`with_deadline`]: IdempotentRetryLayer::with_deadline
@@ -62,7 +75,7 @@ use tower::retry::budget::{Budget, TpsBudget};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::key::IDEMPOTENCY_KEY;
+use crate::key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyMode};
 use crate::replay::IDEMPOTENT_REPLAYED;
 
 mod policy;
@@ -105,8 +118,54 @@ impl Body for RetryBody {
 /// request extensions: the layer sends it instead of a fresh UUID. Use it
 /// when the intent must survive a process restart (keep the key with the
 /// intent, in your database).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IntentKey(pub String);
+///
+/// Guarantees: a key the server accepts in either [`KeyMode`], checked when
+/// it is made by the server's own rules: 1 to
+/// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes of printable ASCII
+/// (`0x20..=0x7E`, so spaces, `"` and `\` too). The layer sends it as a
+/// Structured Field String (`"…"`, with `"` and `\` escaped); the server
+/// names and records it unquoted, as [`as_str`](Self::as_str) gives it.
+///
+/// ```
+/// use tower_idempotency::KeyError;
+/// use tower_idempotency::client::IntentKey;
+///
+/// let key = IntentKey::new("order 42 for bob")?;
+/// assert_eq!(key.as_str(), "order 42 for bob");
+/// assert_eq!(IntentKey::new(""), Err(KeyError::Empty));
+/// assert_eq!(IntentKey::new("a".repeat(256)), Err(KeyError::TooLong));
+/// assert_eq!(IntentKey::new("caf\u{e9}"), Err(KeyError::InvalidCharacter));
+/// # Ok::<(), KeyError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct IntentKey(IdempotencyKey);
+
+impl IntentKey {
+    /// The key of an intent, from its text as meant (unquoted).
+    ///
+    /// # Errors
+    ///
+    /// What is wrong with it, as the server would answer `400` for it:
+    /// [`KeyError::Empty`], [`KeyError::TooLong`] (over
+    /// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes) or
+    /// [`KeyError::InvalidCharacter`] (a byte outside printable ASCII: a
+    /// control character, a tab, a newline, any non-ASCII one).
+    pub fn new(key: impl Into<String>) -> Result<Self, KeyError> {
+        IdempotencyKey::new(key).map(Self)
+    }
+
+    /// The key, unquoted: what the server records.
+    pub fn as_str(&self) -> &str {
+        self.0.as_str()
+    }
+}
+
+impl From<IdempotencyKey> for IntentKey {
+    /// Every [`IdempotencyKey`] meets the same rules.
+    fn from(key: IdempotencyKey) -> Self {
+        Self(key)
+    }
+}
 
 /// Why the layer stopped retrying.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,7 +196,10 @@ pub struct RetryReport {
     /// Whether the answer carries `Idempotent-Replayed: true`: the first
     /// attempt's answer, recorded by the server, replayed.
     pub replayed: bool,
-    /// The `Idempotency-Key` sent (`None` for methods not guarded).
+    /// The idempotency key, unquoted: the key the server names and
+    /// records (`None` for methods not guarded). For an `Idempotency-Key`
+    /// header the caller set, that header as a lenient server reads it
+    /// (its text as sent when it does not parse).
     pub key: Option<String>,
     /// Why retrying stopped.
     pub stop: RetryStop,
@@ -361,19 +423,26 @@ where
         return send_once(&mut inner, req, left(), report).await;
     }
     let key = match parts.headers.get(IDEMPOTENCY_KEY) {
-        Some(key) => String::from_utf8_lossy(key.as_bytes()).into_owned(),
+        // The caller's own header is sent as they wrote it.
+        Some(value) => callers_key(value),
         None => {
-            let key = parts
-                .extensions
-                .get::<IntentKey>()
-                .map_or_else(|| uuid::Uuid::new_v4().to_string(), |k| k.0.clone());
-            match HeaderValue::from_str(&key) {
-                Ok(value) => {
+            let key = match parts.extensions.get::<IntentKey>() {
+                Some(intent) => Ok(intent.0.clone()),
+                None => IdempotencyKey::new(uuid::Uuid::new_v4().to_string()),
+            };
+            let sent = key.and_then(|key| {
+                // Printable ASCII in quotes: always a header value.
+                let value = HeaderValue::from_str(&key.to_sf_string())
+                    .map_err(|_| KeyError::InvalidCharacter)?;
+                Ok((key, value))
+            });
+            match sent {
+                Ok((key, value)) => {
                     parts.headers.insert(IDEMPOTENCY_KEY, value);
+                    key.as_str().to_owned()
                 }
-                Err(e) => return Err(fail(report, format!("unusable intent key: {e}").into())),
+                Err(e) => return Err(fail(report, format!("unusable key: {e}").into())),
             }
-            key
         }
     };
     report.key = Some(key);
@@ -437,6 +506,16 @@ where
     }
 }
 
+/// The key of a header the caller set, as a lenient server reads it
+/// (unquoted); its text as sent when it is not a well-formed key (the
+/// server will refuse it).
+fn callers_key(value: &HeaderValue) -> String {
+    IdempotencyKey::parse(value.as_bytes(), KeyMode::Lenient).map_or_else(
+        |_| String::from_utf8_lossy(value.as_bytes()).into_owned(),
+        |key| key.as_str().to_owned(),
+    )
+}
+
 /// One send without retries (a method not guarded, a body over the bound),
 /// within what is left of the deadline.
 async fn send_once<S, RB>(
@@ -482,7 +561,8 @@ where
 
 /// Judges one attempt. A `409` problem document is read (at most
 /// [`MAX_PROBLEM`] bytes) to see its type; any other body, and a larger
-/// one, is handed on as it came (what was read first, then the rest).
+/// one, is handed on as it came (what was read first, then the rest). A
+/// `409` body that fails mid-read is no answer: retried.
 async fn judge(
     answer: Result<Response<RetryBody>, BoxError>,
 ) -> (Result<Response<RetryBody>, BoxError>, Verdict) {
@@ -506,8 +586,9 @@ async fn judge(
             };
             (Ok(Response::from_parts(parts, read.into_body())), verdict)
         }
-        // The body failed while being read: final, as an error.
-        Err(e) => (Err(e), Verdict::Final),
+        // The body broke while being read: a connection error (the request
+        // may have landed), retried with the same key like any other.
+        Err(e) => (Err(e), Verdict::Retry(policy::retry_after(&parts.headers))),
     }
 }
 
