@@ -92,7 +92,8 @@ use tower_idempotency::lease::{
 };
 use tower_idempotency::store::StoreErrorKind;
 use tower_idempotency::{
-    Backend, Classification, FingerprintError, IdempotencyLayer, Normalizer, Principal, ResourceId,
+    Backend, Classification, ConfigError, FingerprintError, IdempotencyLayer, Normalizer,
+    Principal, ResourceId,
 };
 
 /// The operation the layer names the route (`MethodRouter::layer`: method
@@ -561,6 +562,12 @@ async fn drive<DB: PaymentDb>(
                 Ok(created) => created,
                 Err(res) => return res,
             },
+            // A step may have run with nothing saved before it: never
+            // answered over (the layer would park it); a transient answer
+            // ends the lease, and the client's retry resumes it.
+            None if leased.pending_step().is_some() => {
+                return unavailable("unavailable", "retry with the same key");
+            }
             None => return nothing_to_resume(),
         },
         Err(e) => return lease_failed(e),
@@ -806,12 +813,10 @@ fn new_payment_id() -> String {
     format!("p-{:016x}", h.finish())
 }
 
-fn lease_mode(args: &Args) -> LeaseMode {
+fn lease_mode(args: &Args) -> Result<LeaseMode, ConfigError> {
     // The step's own bound is a backstop past the provider call's timeout.
-    LeaseMode::new(args.lease)
-        .expect("a usable lease")
-        .with_step_timeout(args.provider_timeout + Duration::from_secs(1))
-        .expect("a usable lease")
+    LeaseMode::new(args.lease)?
+        .with_step_timeout(args.provider_timeout.saturating_add(Duration::from_secs(1)))
 }
 
 fn router<DB: PaymentDb>(app: App<DB>, mode: LeaseMode) -> Router {
@@ -840,7 +845,7 @@ async fn serve<DB: PaymentDb>(
         pool: pool.clone(),
         provider: Provider::new(&args.provider, args.provider_timeout)?,
     };
-    let mode = lease_mode(args);
+    let mode = lease_mode(args)?;
     let resumer = app.clone();
     let completer = Completer::new(pool.clone(), mode)
         .resume(OPERATION, move |leased| resume(resumer.clone(), leased))

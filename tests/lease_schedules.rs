@@ -28,7 +28,6 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
-use http::StatusCode;
 use tokio::task::JoinHandle;
 use tower_idempotency::lease::{LeaseMode, StepKey};
 use tower_idempotency::store::RecordStatus;
@@ -82,7 +81,6 @@ enum Event {
 }
 
 struct Schedule {
-    seed: u64,
     /// Per key: whether its first attempt pauses after the charge.
     pause_after_charge: [bool; KEYS],
     events: Vec<Event>,
@@ -112,13 +110,10 @@ fn draw(seed: u64) -> Schedule {
             12 | 13 => Event::Complete(rng.below(2) as usize),
             14 => Event::Operator,
             15 => Event::Sweep,
-            _ => Event::Sleep {
-                ms: rng.below(500),
-            },
+            _ => Event::Sleep { ms: rng.below(500) },
         })
         .collect();
     Schedule {
-        seed,
         pause_after_charge,
         events,
     }
@@ -137,14 +132,23 @@ fn amount(key: usize) -> i64 {
     1001 + key as i64
 }
 
-fn spawn_send(app: &PayApp<impl ConformanceDb>, s: &Schedule, key: usize, cut: Option<u64>) -> JoinHandle<Option<Answer>> {
+fn spawn_send(
+    app: &PayApp<impl ConformanceDb>,
+    s: &Schedule,
+    key: usize,
+    cut: Option<u64>,
+) -> JoinHandle<Option<Answer>> {
     let router = app.router.clone();
     let (k, body) = request(s, key);
     tokio::spawn(async move {
         let attempt = send(&router, payment(&k, &body));
         match cut {
-            Some(ms) => tokio::time::timeout(Duration::from_millis(ms), attempt).await.ok(),
-            None => tokio::time::timeout(Duration::from_secs(20), attempt).await.ok(),
+            Some(ms) => tokio::time::timeout(Duration::from_millis(ms), attempt)
+                .await
+                .ok(),
+            None => tokio::time::timeout(Duration::from_secs(20), attempt)
+                .await
+                .ok(),
         }
     })
 }
@@ -169,7 +173,8 @@ async fn operate<DB: ConformanceDb>(h: &Harness<DB>, app: &PayApp<DB>) -> Result
             Resolution::Rerun
         };
         match reconciler.resolve(&record, verdict).await {
-            Ok(()) | Err(tower_idempotency::ResolveError::Settled { .. })
+            Ok(())
+            | Err(tower_idempotency::ResolveError::Settled { .. })
             | Err(tower_idempotency::ResolveError::Held { .. })
             | Err(tower_idempotency::ResolveError::Changed { .. })
             | Err(tower_idempotency::ResolveError::Gone) => {}
@@ -237,11 +242,18 @@ async fn check<DB: ConformanceDb>(h: &Harness<DB>, app: &PayApp<DB>) -> Result<(
         }
     }
     let reconciler = Reconciler::new(h.pool.clone()).with_stranded_after(Duration::ZERO);
-    let listed = reconciler.unresolved(100).await.map_err(|e| e.to_string())?;
+    let listed = reconciler
+        .unresolved(100)
+        .await
+        .map_err(|e| e.to_string())?;
     let mut handler_successes = 0;
     for key in 0..KEYS {
         let k = format!("sched-{key}");
-        let orders = count(h, format!("SELECT COUNT(*) FROM orders WHERE amount = {}", amount(key))).await;
+        let orders = count(
+            h,
+            format!("SELECT COUNT(*) FROM orders WHERE amount = {}", amount(key)),
+        )
+        .await;
         if orders > 1 {
             return Err(format!("key {key}: {orders} orders"));
         }
@@ -254,11 +266,14 @@ async fn check<DB: ConformanceDb>(h: &Harness<DB>, app: &PayApp<DB>) -> Result<(
         match record {
             None => {
                 if let Some(id) = &charge {
-                    return Err(format!("key {key}: charge {id} taken, and no record at all"));
+                    return Err(format!(
+                        "key {key}: charge {id} taken, and no record at all"
+                    ));
                 }
             }
             Some(r) => {
-                let body = String::from_utf8_lossy(r.response_body.as_deref().unwrap_or_default()).into_owned();
+                let body = String::from_utf8_lossy(r.response_body.as_deref().unwrap_or_default())
+                    .into_owned();
                 match r.status {
                     RecordStatus::Succeeded if body.contains("\"operator\":true") => {
                         if charge.is_none() {
@@ -278,7 +293,9 @@ async fn check<DB: ConformanceDb>(h: &Harness<DB>, app: &PayApp<DB>) -> Result<(
                     }
                     RecordStatus::FailedFinal => {
                         if let Some(id) = &charge {
-                            return Err(format!("key {key}: recorded a failure {body}, yet charged {id}"));
+                            return Err(format!(
+                                "key {key}: recorded a failure {body}, yet charged {id}"
+                            ));
                         }
                     }
                     RecordStatus::Processing | RecordStatus::NeedsReconciliation => {
@@ -312,7 +329,10 @@ async fn count<DB: ConformanceDb>(h: &Harness<DB>, sql: String) -> i64 {
 }
 
 fn seeds() -> Vec<u64> {
-    if let Some(seed) = std::env::var("LEASE_SEED").ok().and_then(|s| s.parse().ok()) {
+    if let Some(seed) = std::env::var("LEASE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
         return vec![seed];
     }
     let n = std::env::var("LEASE_SCHEDULES")

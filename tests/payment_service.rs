@@ -484,6 +484,8 @@ e2e!(
     h_heartbeats_keep_a_long_step_in_flight,
     i_completer_finishes_an_abandoned_payment,
     sigterm_lets_the_payment_in_progress_finish,
+    j_stale_owner_of_a_deleted_claim_charges_nothing,
+    k_provider_down_is_a_plain_retryable_503,
 );
 
 /// 401 without a principal, 400 for an invalid body (nothing claimed),
@@ -1071,4 +1073,85 @@ async fn sigterm_lets_the_payment_in_progress_finish<DB: TestDb>() {
     s = w.service(CRASH).await;
     w.judge_captured("SIGTERM mid-payment", &s, &first).await;
     assert_replays("SIGTERM", &s, &first).await;
+}
+
+/// j) A stalls before phase 1 (frozen while its phase waits on a lock),
+/// its lease lapses, B's completer deletes the bare claim, and the client's
+/// retry on B claims the key again (generation 1 once more). A wakes while
+/// B's charge is in flight: its first write is refused (the fence names the
+/// claim), so it never charges under a step key of its own. One charge,
+/// one payment row.
+async fn j_stale_owner_of_a_deleted_claim_charges_nothing<DB: TestDb>() {
+    let hold_sql = match DB::LABEL {
+        "postgres" => "LOCK TABLE payments IN EXCLUSIVE MODE",
+        "mysql" => "SELECT id FROM payments FOR UPDATE",
+        _ => {
+            println!(
+                "[{}] j) skipped: no lock holds back phase 1 alone",
+                DB::LABEL
+            );
+            return;
+        }
+    };
+    let flags = Flags {
+        lease_ms: 1000,
+        completer_ms: 200,
+        provider_timeout_ms: 5000,
+    };
+    let (w, a) = World::<DB>::start(flags).await;
+    let b = w.service(flags).await;
+    let mut hold = w.pool.begin().await.unwrap();
+    DB::exec_on(&mut hold, hold_sql).await.unwrap();
+    let from_a = a.pay_in_background(KEY);
+    w.wait_until("A's claim commits", |c| c.ledger == 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.signal("-STOP");
+    hold.rollback().await.unwrap();
+    w.wait_until("B's completer deletes the bare claim", |c| c.ledger == 0)
+        .await;
+    w.provider.hang(3000).await;
+    let from_b = b.pay_in_background(KEY);
+    w.provider.wait_for_charges(1).await;
+    a.signal("-CONT");
+    let stale = from_a.await.unwrap();
+    let from_b = from_b.await.unwrap().expect("B answers its client");
+    let counts = w.judge_captured("j) B after A woke", &b, &from_b).await;
+    println!(
+        "[{}] j) stale owner A answered {:?}; {counts}",
+        DB::LABEL,
+        stale.as_ref().map(|s| (s.status, s.problem_type()))
+    );
+    assert_replays("j", &b, &from_b).await;
+}
+
+/// k) The provider is down (connection refused: nothing can have been
+/// sent). The payment is not parked: a plain retryable 503, the lease
+/// ended, and the retry once the provider is back charges once.
+async fn k_provider_down_is_a_plain_retryable_503<DB: TestDb>() {
+    let (w, first_service) = World::<DB>::start(CRASH).await;
+    drop(first_service);
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", listener.local_addr().unwrap())
+    };
+    let mut s = Service::start(&w.url, &closed, CRASH).await;
+    let first = s.pay(KEY).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
+    assert!(
+        !first.problem_type().ends_with("#reconciling"),
+        "parked though nothing was sent: {first:?}"
+    );
+    let counts = w.counts().await;
+    assert_eq!(
+        (counts.parked, counts.pending, counts.charges),
+        (0, 0, 0),
+        "{counts:?}"
+    );
+    let again = s.pay(KEY).await;
+    assert_eq!(again.status, StatusCode::SERVICE_UNAVAILABLE, "{again:?}");
+    assert!(!again.problem_type().ends_with("#reconciling"), "{again:?}");
+    s.kill().await;
+    s = Service::start(&w.url, &w.provider.url(), CRASH).await;
+    let retry = s.pay(KEY).await;
+    w.judge_captured("k) provider back", &s, &retry).await;
 }

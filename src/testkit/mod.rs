@@ -385,7 +385,9 @@ impl<DB: ConformanceDb> Harness<DB> {
             operation,
             key,
         };
-        DB::fetch(&self.pool, &scope).await.expect("a readable ledger")
+        DB::fetch(&self.pool, &scope)
+            .await
+            .expect("a readable ledger")
     }
 
     /// Nothing at all was stored.
