@@ -220,6 +220,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     ///   (unreserved escapes decoded, other escapes upper-cased, dot segments
     ///   removed), so `/orders/abc/pay` and `/orders/%61bc/pay` are one
     ///   operation.
+    ///
+    /// The name `message` is reserved for message consumers
+    /// ([`MESSAGE_OPERATION`](crate::consumer::MESSAGE_OPERATION)): given
+    /// here, it is stored as its `sha256:` form, so an HTTP request never
+    /// meets a consumer's processed message in the ledger.
     #[must_use]
     pub fn with_operation(mut self, name: impl Into<String>) -> Self {
         self.config.operation = Some(Arc::from(name.into()));
@@ -251,7 +256,8 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// How long a key is honoured after its first use, on the database's
     /// clock: retries within it replay, later ones get `410`. Part of your
     /// API contract: publish it. Zero is refused (every retry would be
-    /// `410`). The default is 24 hours.
+    /// `410`); more than 10 000 years is that, "forever". The default is
+    /// 24 hours.
     pub fn with_retention(mut self, retention: Duration) -> Result<Self, ConfigError> {
         self.config.retention = nonzero(retention, "retention")?;
         Ok(self)

@@ -31,7 +31,7 @@ use crate::layer::Config;
 use crate::local::Local;
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
-use crate::scope::{bounded, default_operation, hashed};
+use crate::scope::{bounded, default_operation, hashed, http_operation};
 use crate::store::{Backend, Scope, StoreErrorKind};
 
 mod claim;
@@ -272,7 +272,7 @@ impl<DB: Backend> Run<DB> {
         observe::scope(&operation, key.as_str());
         let lease_mode = cfg.lease;
         let principal = bounded(principal.as_str());
-        let operation = bounded(&operation);
+        let operation = http_operation(&operation);
         let key = if cfg.hash_keys {
             hashed(key.as_str())
         } else {

@@ -521,6 +521,9 @@ macro_rules! conformance_suite {
             consumer_swept_ids_stay_duplicates,
             consumer_as_a_tower_service_applies_once,
             consumer_lock_wait_bounds_a_concurrent_delivery,
+            consumer_refuses_ids_the_store_cannot_hold,
+            consumer_longest_durations_still_process,
+            consumer_and_http_scopes_never_meet,
         );
     };
 }
