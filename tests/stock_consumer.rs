@@ -431,6 +431,76 @@ impl<DB: TestDb> World<DB> {
         );
     }
 
+    /// SIGKILLs consumer `i` inside a transaction, its `from`th or a later
+    /// one, and proves it landed there: the process is frozen (SIGSTOP)
+    /// while it says it is in a transaction, then the id of that
+    /// transaction must be held by an open transaction (a claim of it from
+    /// here waits and gives up, `InFlight`) and have no committed ledger
+    /// row. Only then is it killed. A stop that landed after the
+    /// transaction ended (the id committed or was rolled back) lets the
+    /// process go on and tries its next transaction. Returns the id.
+    async fn kill_inside_a_transaction(&mut self, i: usize, from: usize) -> String {
+        let probe = tower_idempotency::consumer::Consumer::new(self.pool().clone(), &self.durable)
+            .with_lock_wait(Duration::from_secs(2));
+        let pid = self.procs[i].child.id().expect("running").to_string();
+        let signal = |sig: &str| {
+            let sent = std::process::Command::new("kill")
+                .args([sig, &pid])
+                .status()
+                .unwrap();
+            assert!(sent.success(), "kill {sig} {pid}");
+        };
+        let mut wanted = from;
+        for _attempt in 0..20 {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            while self.procs[i].count("in-transaction ") < wanted {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "no transaction {wanted} within 20 s\n{}",
+                    self.logs()
+                );
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            signal("-STOP");
+            let lines = self.procs[i].lines();
+            let in_tx = lines
+                .iter()
+                .filter(|l| l.starts_with("in-transaction "))
+                .count();
+            let id = lines
+                .iter()
+                .rev()
+                .find_map(|l| l.strip_prefix("in-transaction "))
+                .expect("an in-transaction line")
+                .to_string();
+            let probed = probe
+                .process(&id, b"probe", |_tx| async {
+                    Err::<(), _>("the probe never applies")
+                })
+                .await;
+            let committed = self
+                .count(format!(
+                    "SELECT COUNT(*) FROM idempotency_records WHERE idem_key = '{id}'"
+                ))
+                .await;
+            if matches!(
+                probed,
+                Err(tower_idempotency::consumer::ConsumeError::InFlight)
+            ) && committed == 0
+            {
+                self.procs[i].sigkill().await;
+                return id;
+            }
+            // Stopped outside that transaction: let it go on.
+            signal("-CONT");
+            wanted = in_tx + 1;
+        }
+        panic!(
+            "consumer {i} was never stopped inside a transaction in 20 tries\n{}",
+            self.logs()
+        );
+    }
+
     fn logs(&self) -> String {
         let mut out = String::new();
         for (i, p) in self.procs.iter().enumerate() {
@@ -619,12 +689,13 @@ async fn two_processes_on_one_durable_apply_each_id_once<DB: TestDb>() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    // Its third transaction: kill it inside one, with work of both done.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while w.procs[victim].count("in-transaction ") < 3 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    w.procs[victim].sigkill().await;
+    // Its third transaction (or a later one): kill it inside one, with
+    // work of both done, and prove the kill landed there.
+    let killed = w.kill_inside_a_transaction(victim, 3).await;
+    println!(
+        "{} {case}: killed inside the transaction of {killed}",
+        DB::LABEL
+    );
     for e in events.iter().step_by(5) {
         w.publish(e).await;
     }
