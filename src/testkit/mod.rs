@@ -476,6 +476,7 @@ macro_rules! conformance_suite {
             lost_connection_commits_nothing_and_retry_runs_once,
             unguarded_methods_pass_through,
             answers_advertise_the_key_expiry,
+            longest_retention_still_records_and_replays,
             hashed_keys_keep_the_guarantees,
             sweep_tombstones_expired_rows_and_purges_them_later,
             claims_run_while_a_large_sweep_runs,
