@@ -4,7 +4,8 @@
 //! ```text
 //! cargo run --example stock_consumer -- --nats nats://127.0.0.1:4222 \
 //!     --stream ORDERS --subject orders.created --durable stock \
-//!     [--ack-wait-ms 30000] [--handler-delay-ms 0]
+//!     [--ack-wait-ms 30000] [--handler-delay-ms 0] [--lock-wait-ms 10000] \
+//!     [--retry-delay-ms 1000] [--max-retry-delay-ms 60000]
 //! DATABASE_URL=postgres://postgres@127.0.0.1/test cargo run --example stock_consumer -- …
 //! DATABASE_URL=mysql://root@127.0.0.1/test cargo run --example stock_consumer --features mysql -- …
 //! ```
@@ -12,7 +13,7 @@
 //! `DATABASE_URL` chooses the store as for the order service: a SQLite file
 //! (`./stock_consumer.db` by default, or `sqlite:…`), `postgres://…`, or
 //! `mysql://…` (with `--features mysql`). At start it creates its tables
-//! (`stock`, `stock_moves`, `poison_messages`, and the ledger through
+//! (`stock`, `stock_moves`, `poison_messages`, `delivery_failures`, and the ledger through
 //! [`tower_idempotency::migrate`]), the stream (subjects = the subject) and a
 //! durable pull consumer (explicit ack, `ack_wait` = `--ack-wait-ms`) when
 //! they are missing, prints `stock_consumer consuming <subject> as <durable>
@@ -52,9 +53,10 @@
 //! - **after the ack**: nothing is redelivered.
 //! - **the same Message-Id twice at once** (an outbox relay that published
 //!   it again, two processes on one durable): the database's unique
-//!   constraint decides; the second waits for the first (at most 10 s,
-//!   then it is nak'ed and comes back) and is a duplicate when it
-//!   committed, or runs when it rolled back.
+//!   constraint decides; the second waits for the first (at most
+//!   `--lock-wait-ms`, 10 s by default, then it is nak'ed and comes back,
+//!   however often) and is a duplicate when it committed, or runs when it
+//!   rolled back.
 //! - **the connection is lost during `COMMIT`**: the outcome is unknown,
 //!   the delivery is nak'ed, and its redelivery finds out (a duplicate if
 //!   it committed).
@@ -75,10 +77,17 @@
 //! `poison_messages (id, message_id, reason, payload)` and acked, never
 //! redelivered forever; the raw payload is kept for an operator:
 //!
-//! - a message whose transaction failed on five deliveries in a row (a
-//!   value the database refuses, say): a failure that repeats is not
-//!   transient;
+//! - a message whose handler failed five times (a value the database
+//!   refuses, say: a failure that repeats is not transient), counted in
+//!   `delivery_failures` across deliveries, restarts and processes. Only
+//!   the handler's own failures count
+//!   ([`ConsumeError::is_handler_failure`], and not a lost connection, a
+//!   lock wait or a serialization conflict inside it);
 //! - no `Message-Id` header (or an empty one, or one longer than 255 bytes);
+//! - a Message-Id the ledger cannot hold ([`ConsumeError::InvalidId`]: one
+//!   with a NUL), recorded under its percent-encoded form (`%00` for the
+//!   NUL, `%25` for `%`, every control character so), which every store's
+//!   text column holds;
 //! - a body that does not parse, a `qty` that is not a positive integer, an
 //!   empty or over-long `orderId`/`sku`, or a `sku` with no `stock` row;
 //! - the Message-Id was processed before with a **different** payload
@@ -94,9 +103,13 @@
 //! cause is fixed (say the missing `stock` row added), the producer
 //! republishes the event under a new Message-Id.
 //!
-//! Every other failure (the database is down, a lock wait ran out, a
-//! serialization conflict) rolls back, is *not* acked but nak'ed with a
-//! short delay, and is retried.
+//! Every other failure rolls back, is *not* acked but nak'ed, and is
+//! retried however often, with a growing delay (`--retry-delay-ms` doubled
+//! per delivery, at most `--max-retry-delay-ms`): the database is down, a
+//! lock wait ran out, a serialization conflict, and above all
+//! [`ConsumeError::InFlight`]: an earlier delivery's transaction still
+//! holds the Message-Id (a frozen or partitioned process) and may yet roll
+//! back, so acking it could drop a message that was never applied.
 //!
 //! SIGTERM (or Ctrl-C) lets the message in hand finish (commit and ack),
 //! naks the rest of the fetched batch, flushes the acks and exits 0.
@@ -111,12 +124,13 @@ use sqlx::Pool;
 use tokio::sync::watch;
 use tower_idempotency::Backend;
 use tower_idempotency::consumer::{ConsumeError, Consumer, Processed};
+use tower_idempotency::store::StoreErrorKind;
 
 /// Messages asked for per pull request.
 const BATCH: usize = 10;
 /// How long one pull request waits for messages.
 const PULL_EXPIRES: Duration = Duration::from_secs(1);
-/// The redelivery delay of a nak'ed message (a transient failure).
+/// The pause after a failed pull request.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
 /// The redelivery delay of a message whose record awaits an operator.
 const UNRESOLVED_DELAY: Duration = Duration::from_secs(30);
@@ -191,6 +205,18 @@ trait StockDb: Backend {
         conn: &mut Self::Connection,
         poison: &Poison<'_>,
     ) -> impl Future<Output = sqlx::Result<()>> + Send;
+    /// Counts one more handler failure of `message_id` (committed on its
+    /// own, after the delivery rolled back); how many there were.
+    fn count_failure(
+        pool: &Pool<Self>,
+        message_id: &str,
+    ) -> impl Future<Output = sqlx::Result<i64>> + Send;
+    /// Forgets the failures of `message_id`, on the transaction that
+    /// applies it.
+    fn forget_failures(
+        conn: &mut Self::Connection,
+        message_id: &str,
+    ) -> impl Future<Output = sqlx::Result<()>> + Send;
 }
 
 /// One `poison_messages` row.
@@ -204,7 +230,8 @@ struct Poison<'a> {
 /// One implementation per database; only the SQL text differs.
 macro_rules! stock_db {
     ($db:ty, schema: $schema:expr, take_stock: $ts:expr, insert_move: $im:expr,
-     insert_poison: $ip:expr $(,)?) => {
+     insert_poison: $ip:expr, count_failure: $cf:expr, failures: $f:expr,
+     forget_failures: $ff:expr $(,)?) => {
         impl StockDb for $db {
             async fn create_schema(pool: &Pool<Self>) -> sqlx::Result<()> {
                 sqlx::raw_sql($schema).execute(pool).await.map(drop)
@@ -247,6 +274,29 @@ macro_rules! stock_db {
                     .await
                     .map(drop)
             }
+
+            async fn count_failure(pool: &Pool<Self>, message_id: &str) -> sqlx::Result<i64> {
+                let mut conn = pool.acquire().await?;
+                sqlx::query($cf)
+                    .bind(message_id)
+                    .execute(&mut *conn)
+                    .await?;
+                sqlx::query_scalar($f)
+                    .bind(message_id)
+                    .fetch_one(&mut *conn)
+                    .await
+            }
+
+            async fn forget_failures(
+                conn: &mut Self::Connection,
+                message_id: &str,
+            ) -> sqlx::Result<()> {
+                sqlx::query($ff)
+                    .bind(message_id)
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            }
         }
     };
 }
@@ -259,11 +309,17 @@ stock_db!(
         CREATE TABLE IF NOT EXISTS stock_moves (message_id TEXT PRIMARY KEY, order_id TEXT NOT NULL,
             sku TEXT NOT NULL, qty INTEGER NOT NULL);
         CREATE TABLE IF NOT EXISTS poison_messages (id TEXT PRIMARY KEY, message_id TEXT NULL,
-            reason TEXT NOT NULL, payload BLOB NOT NULL);",
+            reason TEXT NOT NULL, payload BLOB NOT NULL);
+        CREATE TABLE IF NOT EXISTS delivery_failures (message_id TEXT PRIMARY KEY,
+            failures INTEGER NOT NULL);",
     take_stock: "UPDATE stock SET qty = qty - ? WHERE sku = ?",
     insert_move: "INSERT INTO stock_moves (message_id, order_id, sku, qty) VALUES (?, ?, ?, ?)",
     insert_poison: "INSERT INTO poison_messages (id, message_id, reason, payload) VALUES (?, ?, ?, ?)
         ON CONFLICT (id) DO NOTHING",
+    count_failure: "INSERT INTO delivery_failures (message_id, failures) VALUES (?, 1)
+        ON CONFLICT (message_id) DO UPDATE SET failures = delivery_failures.failures + 1",
+    failures: "SELECT failures FROM delivery_failures WHERE message_id = ?",
+    forget_failures: "DELETE FROM delivery_failures WHERE message_id = ?",
 );
 
 #[cfg(feature = "postgres")]
@@ -274,11 +330,17 @@ stock_db!(
         CREATE TABLE IF NOT EXISTS stock_moves (message_id TEXT PRIMARY KEY, order_id TEXT NOT NULL,
             sku TEXT NOT NULL, qty BIGINT NOT NULL);
         CREATE TABLE IF NOT EXISTS poison_messages (id TEXT PRIMARY KEY, message_id TEXT NULL,
-            reason TEXT NOT NULL, payload BYTEA NOT NULL);",
+            reason TEXT NOT NULL, payload BYTEA NOT NULL);
+        CREATE TABLE IF NOT EXISTS delivery_failures (message_id TEXT PRIMARY KEY,
+            failures BIGINT NOT NULL);",
     take_stock: "UPDATE stock SET qty = qty - $1 WHERE sku = $2",
     insert_move: "INSERT INTO stock_moves (message_id, order_id, sku, qty) VALUES ($1, $2, $3, $4)",
     insert_poison: "INSERT INTO poison_messages (id, message_id, reason, payload) VALUES ($1, $2, $3, $4)
         ON CONFLICT (id) DO NOTHING",
+    count_failure: "INSERT INTO delivery_failures (message_id, failures) VALUES ($1, 1)
+        ON CONFLICT (message_id) DO UPDATE SET failures = delivery_failures.failures + 1",
+    failures: "SELECT failures FROM delivery_failures WHERE message_id = $1",
+    forget_failures: "DELETE FROM delivery_failures WHERE message_id = $1",
 );
 
 #[cfg(feature = "mysql")]
@@ -291,11 +353,17 @@ stock_db!(
             order_id VARCHAR(255) NOT NULL, sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL) ENGINE = InnoDB;
         CREATE TABLE IF NOT EXISTS poison_messages (id VARCHAR(255) PRIMARY KEY,
             message_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL,
-            reason TEXT NOT NULL, payload LONGBLOB NOT NULL) ENGINE = InnoDB;",
+            reason TEXT NOT NULL, payload LONGBLOB NOT NULL) ENGINE = InnoDB;
+        CREATE TABLE IF NOT EXISTS delivery_failures (message_id VARBINARY(255) PRIMARY KEY,
+            failures BIGINT NOT NULL) ENGINE = InnoDB;",
     take_stock: "UPDATE stock SET qty = qty - ? WHERE sku = ?",
     insert_move: "INSERT INTO stock_moves (message_id, order_id, sku, qty) VALUES (?, ?, ?, ?)",
     insert_poison: "INSERT INTO poison_messages (id, message_id, reason, payload) VALUES (?, ?, ?, ?)
         ON DUPLICATE KEY UPDATE id = id",
+    count_failure: "INSERT INTO delivery_failures (message_id, failures) VALUES (?, 1)
+        ON DUPLICATE KEY UPDATE failures = failures + 1",
+    failures: "SELECT failures FROM delivery_failures WHERE message_id = ?",
+    forget_failures: "DELETE FROM delivery_failures WHERE message_id = ?",
 );
 
 /// What the handler did on the claiming transaction.
@@ -304,9 +372,10 @@ enum Handled {
     Poison(String),
 }
 
-/// A message that failed this many deliveries (rolled back each time) is
-/// recorded as poison and acked: a failure that repeats is not transient.
-const MAX_DELIVERIES: i64 = 5;
+/// A message whose handler failed this many times (rolled back each time)
+/// is recorded as poison and acked: a failure that repeats is not
+/// transient. Nothing else counts.
+const MAX_FAILURES: i64 = 5;
 
 /// What to tell JetStream about a delivery.
 enum Verdict {
@@ -318,6 +387,10 @@ struct Worker<DB: StockDb> {
     pool: Pool<DB>,
     consumer: Consumer<DB>,
     handler_delay: Duration,
+    /// The first redelivery delay of a nak'ed message, doubled per
+    /// delivery up to `max_retry_delay`.
+    retry_delay: Duration,
+    max_retry_delay: Duration,
     /// `<stream>:<stream created, unix ns>`: with the stream sequence, a
     /// delivery's place in the stream.
     stream_key: String,
@@ -356,7 +429,7 @@ impl<DB: StockDb> Worker<DB> {
                     reason,
                     payload,
                 };
-                return self.record_poison("-", &poison).await;
+                return self.record_poison("-", &poison, delivered).await;
             }
         };
         let parsed = parse_event(payload);
@@ -366,6 +439,10 @@ impl<DB: StockDb> Worker<DB> {
             .consumer
             .process(id, payload, |tx| async move {
                 let mut conn = tx.lock()?;
+                if delivered > 1 {
+                    // An earlier delivery may have counted a failure.
+                    DB::forget_failures(&mut conn, id).await?;
+                }
                 let handled = match parsed {
                     Ok(event) => {
                         if DB::take_stock(&mut conn, &event.sku, event.qty).await? {
@@ -423,16 +500,19 @@ impl<DB: StockDb> Worker<DB> {
                     reason: "payload mismatch: the Message-Id was processed before with a different payload",
                     payload,
                 };
-                self.record_poison(id, &poison).await
+                self.record_poison(id, &poison, delivered).await
             }
             Err(ConsumeError::InvalidId) => {
+                // The ledger cannot hold the id (a NUL): recorded under its
+                // percent-encoded form, which every store's text holds.
+                let printable = printable_id(id);
                 let poison = Poison {
                     id: &delivery_id,
-                    message_id: None,
-                    reason: "invalid Message-Id",
+                    message_id: (printable.len() <= MAX_ID_LEN).then_some(printable.as_str()),
+                    reason: "invalid Message-Id: the ledger cannot hold it (a NUL)",
                     payload,
                 };
-                self.record_poison("-", &poison).await
+                self.record_poison(&printable, &poison, delivered).await
             }
             Err(e @ ConsumeError::Unresolved) => {
                 log!("stock_consumer: {id:?}: {e}; retrying later");
@@ -448,32 +528,51 @@ impl<DB: StockDb> Worker<DB> {
                     reason: &reason,
                     payload,
                 };
-                self.record_poison(id, &poison).await
+                self.record_poison(id, &poison, delivered).await
             }
-            // Failing the same way delivery after delivery (a value the
-            // database refuses, say): poison, not a retry forever.
-            Err(e) if delivered >= MAX_DELIVERIES => {
-                let reason = format!("failed {delivered} deliveries, the last: {e}");
-                let poison = Poison {
-                    id: &delivery_id,
-                    message_id: Some(id),
-                    reason: &reason,
-                    payload,
-                };
-                self.record_poison(id, &poison).await
+            // The handler failed the same way delivery after delivery (a
+            // value the database refuses, say): poison, not a retry
+            // forever. Only the handler's own failures count.
+            Err(e) if e.is_handler_failure() && !transient::<DB>(&e) => {
+                match DB::count_failure(&self.pool, id).await {
+                    Ok(failures) if failures >= MAX_FAILURES => {
+                        let reason = format!("failed {failures} deliveries, the last: {e}");
+                        let poison = Poison {
+                            id: &delivery_id,
+                            message_id: Some(id),
+                            reason: &reason,
+                            payload,
+                        };
+                        self.record_poison(id, &poison, delivered).await
+                    }
+                    counted => {
+                        if let Err(c) = counted {
+                            log!("stock_consumer: {id:?}: counting the failure failed: {c}");
+                        }
+                        self.retry(id, &e, delivered)
+                    }
+                }
             }
-            // Handler, Store, InFlight, TransactionHeld: rolled back, retry.
-            Err(e) => {
-                log!("stock_consumer: {id:?}: {e}; not acked, redelivered");
-                say!("retry {id} {e}");
-                Verdict::Nak(RETRY_DELAY)
-            }
+            // InFlight (an earlier delivery's transaction still holds the
+            // id and may yet roll back), Store, a transient failure inside
+            // the handler: not applied, so redelivered however often.
+            Err(e) => self.retry(id, &e, delivered),
         }
     }
 
+    /// Naks a delivery that may yet succeed, with a delay that grows with
+    /// its delivery count.
+    fn retry(&self, id: &str, e: &dyn std::fmt::Display, delivered: i64) -> Verdict {
+        let delay = backoff(self.retry_delay, self.max_retry_delay, delivered);
+        log!("stock_consumer: {id:?}: {e}; not acked, redelivered in {delay:?}");
+        say!("retry {id} {e}");
+        Verdict::Nak(delay)
+    }
+
     /// Records a poison message outside any claim (inserted if absent);
-    /// acks it once recorded, retries when the database failed.
-    async fn record_poison(&self, label: &str, poison: &Poison<'_>) -> Verdict {
+    /// acks it once recorded, retries (with backoff) when the database
+    /// failed.
+    async fn record_poison(&self, label: &str, poison: &Poison<'_>, delivered: i64) -> Verdict {
         let recorded = async {
             let mut conn = self.pool.acquire().await?;
             DB::insert_poison(&mut conn, poison).await
@@ -490,12 +589,46 @@ impl<DB: StockDb> Worker<DB> {
                 Verdict::Ack
             }
             Err(e) => {
-                log!("stock_consumer: recording poison {label:?} failed: {e}; redelivered");
-                say!("retry {label} {e}");
-                Verdict::Nak(RETRY_DELAY)
+                log!("stock_consumer: recording poison {label:?} failed: {e}");
+                self.retry(label, &e, delivered)
             }
         }
     }
+}
+
+/// `base` doubled per earlier delivery, at most `max`.
+fn backoff(base: Duration, max: Duration, delivered: i64) -> Duration {
+    let doublings = u32::try_from(delivered.saturating_sub(1).clamp(0, 20)).unwrap_or(20);
+    base.saturating_mul(1 << doublings).min(max)
+}
+
+/// Whether a handler error is the store's transient failure (a lost
+/// connection, a lock wait, a serialization conflict, a busy pool), which a
+/// redelivery may fix: never counted towards poison.
+fn transient<DB: Backend>(e: &ConsumeError<BoxError>) -> bool {
+    let ConsumeError::Handler(e) = e else {
+        return false;
+    };
+    e.downcast_ref::<sqlx::Error>()
+        .is_some_and(|e| DB::error_kind(e) != StoreErrorKind::Other)
+}
+
+/// The id with `%` and every control character (NUL included)
+/// percent-encoded, byte by byte: text every store holds, and two ids
+/// never share one form.
+fn printable_id(id: &str) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(id.len());
+    for c in id.chars() {
+        if c == '%' || c.is_control() {
+            for b in c.encode_utf8(&mut [0; 4]).bytes() {
+                let _ = write!(out, "%{b:02X}");
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn now_nanos() -> u128 {
@@ -640,9 +773,11 @@ async fn run<DB: StockDb>(pool: Pool<DB>, args: &Args, store: &str) -> Result<()
     // durable keeps whatever --ack-wait-ms says.
     let (consumer, stream_key, ack_wait) = subscribe(&js, args).await?;
     let worker = Worker {
-        consumer: Consumer::new(pool.clone(), args.durable.as_str()),
+        consumer: Consumer::new(pool.clone(), args.durable.as_str()).with_lock_wait(args.lock_wait),
         pool: pool.clone(),
         handler_delay: args.handler_delay,
+        retry_delay: args.retry_delay,
+        max_retry_delay: args.max_retry_delay,
         stream_key,
     };
     say!(
@@ -736,6 +871,9 @@ struct Args {
     durable: String,
     ack_wait: Duration,
     handler_delay: Duration,
+    lock_wait: Duration,
+    retry_delay: Duration,
+    max_retry_delay: Duration,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -746,6 +884,9 @@ fn parse_args() -> Result<Args, String> {
         durable: "stock".into(),
         ack_wait: Duration::from_secs(30),
         handler_delay: Duration::ZERO,
+        lock_wait: Duration::from_secs(10),
+        retry_delay: Duration::from_secs(1),
+        max_retry_delay: Duration::from_secs(60),
     };
     let millis = |flag: &str, value: &str| -> Result<Duration, String> {
         value
@@ -763,13 +904,20 @@ fn parse_args() -> Result<Args, String> {
             "--durable" => args.durable = value,
             "--ack-wait-ms" => args.ack_wait = millis(&flag, &value)?,
             "--handler-delay-ms" => args.handler_delay = millis(&flag, &value)?,
+            "--lock-wait-ms" => args.lock_wait = millis(&flag, &value)?,
+            "--retry-delay-ms" => args.retry_delay = millis(&flag, &value)?,
+            "--max-retry-delay-ms" => args.max_retry_delay = millis(&flag, &value)?,
             other => {
                 return Err(format!(
                     "unknown flag {other}; use --nats URL, --stream NAME, --subject SUBJECT, \
-                     --durable NAME, --ack-wait-ms N, --handler-delay-ms N"
+                     --durable NAME, --ack-wait-ms N, --handler-delay-ms N, --lock-wait-ms N, \
+                     --retry-delay-ms N, --max-retry-delay-ms N"
                 ));
             }
         }
+    }
+    if args.retry_delay.is_zero() || args.max_retry_delay < args.retry_delay {
+        return Err("--retry-delay-ms must be at least 1 and at most --max-retry-delay-ms".into());
     }
     if args.ack_wait < Duration::from_millis(100) {
         return Err("--ack-wait-ms must be at least 100".into());

@@ -5,8 +5,8 @@
 //! [`Consumer`] runs the handler on a transaction in which the message id is
 //! claimed under the unique `(subscriber, message id)`, in the **same ledger
 //! table and migrations** as the HTTP layer (the subscriber is the scope's
-//! principal, the operation is `message`). The processed-message row
-//! commits together with the handler's business writes or not at all:
+//! principal, the operation is [`MESSAGE_OPERATION`]). The processed-message
+//! row commits together with the handler's business writes or not at all:
 //!
 //! - **first delivery**: the handler runs; on `Ok` its writes and the
 //!   message's row commit together, [`Processed::Applied`]; acknowledge the
@@ -35,6 +35,41 @@
 //!   mismatch is [`ConsumeError::PayloadMismatch`]: logged at error level,
 //!   counted (`idempotency_messages_total{outcome="payload_mismatch"}` with
 //!   the `metrics` feature), never applied and never silently dropped.
+//! - **an id the ledger cannot hold** (empty, or with a NUL, which
+//!   PostgreSQL's `TEXT` refuses): [`ConsumeError::InvalidId`] at once, on
+//!   every store alike, before anything runs or is stored. No redelivery
+//!   can fix it ([`ConsumeError::redeliver`] is `false`): record it as
+//!   poison under an encoding your own tables hold, and acknowledge it.
+//!   Ids longer than 255 bytes are stored as their SHA-256, like long HTTP
+//!   scope values, and stay distinct.
+//!
+//! # Poison: only repeated handler failures
+//!
+//! A message that fails the same way on every delivery would be redelivered
+//! forever, so consumers give up on it after a few tries (record it, then
+//! acknowledge it). Only the handler's own failures may count
+//! ([`ConsumeError::is_handler_failure`]): [`ConsumeError::InFlight`] (an
+//! earlier delivery's transaction still holds the id: a frozen or
+//! partitioned process whose transaction may yet roll back) and
+//! [`ConsumeError::Store`] mean the message was not applied and may yet
+//! be. Acknowledging them would drop a message that was never applied:
+//! redeliver them however often, with a growing delay.
+//!
+//! # Consumer scopes and HTTP scopes never meet
+//!
+//! Processed-message rows share the ledger with HTTP requests, so the two
+//! must never claim each other's rows, whatever a route or an operation
+//! is named. The operation [`MESSAGE_OPERATION`] (`message`) is reserved
+//! for consumers: the layer's default operation is always a method and a
+//! path (`POST /message`, never `message`), and a name given to
+//! [`IdempotencyLayer::with_operation`](crate::IdempotencyLayer::with_operation)
+//! (or a completer's [`resume`](crate::lease::Completer::resume)) that is
+//! exactly `message` is stored as its `sha256:` form, as long names are
+//! (see the scope rules on [`Principal`](crate::Principal)). One function
+//! maps every HTTP operation name to its stored form, so no HTTP row ever
+//! has the operation `message`, and an HTTP request of principal `stock`
+//! with key `evt-1` never makes consumer `stock`'s message `evt-1` a
+//! duplicate or a mismatch (nor the other way round).
 //!
 //! # Retention
 //!
@@ -90,7 +125,7 @@ use sha2::{Digest, Sha256};
 use sqlx::Pool;
 use tokio::time::Instant;
 
-use crate::expiry::{is_expired, millis};
+use crate::expiry::{is_expired, retention_ms};
 use crate::fingerprint::canonical_json;
 use crate::observe;
 use crate::scope::bounded;
@@ -101,7 +136,8 @@ use crate::store::{
 };
 use crate::tx::Tx;
 
-/// The operation of every processed-message row.
+/// The operation of every processed-message row, reserved for consumers:
+/// no HTTP request's row ever has it (see the [module docs](self)).
 pub const MESSAGE_OPERATION: &str = "message";
 
 /// What became of a delivery.
@@ -129,7 +165,9 @@ pub enum ConsumeError<E> {
         /// The message id.
         message_id: String,
     },
-    /// The message id is empty.
+    /// The message id is one the ledger cannot hold on every store: empty,
+    /// or with a NUL character. Nothing ran and nothing was stored; no
+    /// redelivery fixes it.
     InvalidId,
     /// Another delivery of the id held it past the lock wait: retry later.
     InFlight,
@@ -155,6 +193,19 @@ impl<E> ConsumeError<E> {
     pub fn redeliver(&self) -> bool {
         !matches!(self, Self::PayloadMismatch { .. } | Self::InvalidId)
     }
+
+    /// Whether the handler itself failed ([`Handler`](Self::Handler), or
+    /// [`TransactionHeld`](Self::TransactionHeld)): everything was rolled
+    /// back, and a failure that repeats delivery after delivery may be
+    /// given up on as poison. `false` for everything else, in particular
+    /// [`InFlight`](Self::InFlight) and [`Store`](Self::Store): the message
+    /// was not applied and may yet be, so it must be redelivered however
+    /// often (with backoff), never counted towards poison. (A handler
+    /// error that wraps a transient store error is the handler's to tell
+    /// apart; [`Backend::error_kind`] sorts `sqlx` errors.)
+    pub fn is_handler_failure(&self) -> bool {
+        matches!(self, Self::Handler(_) | Self::TransactionHeld)
+    }
 }
 
 impl<E: std::fmt::Display> std::fmt::Display for ConsumeError<E> {
@@ -165,7 +216,7 @@ impl<E: std::fmt::Display> std::fmt::Display for ConsumeError<E> {
                 f,
                 "message {message_id:?} was processed before with a different payload"
             ),
-            Self::InvalidId => f.write_str("the message id is empty"),
+            Self::InvalidId => f.write_str("the message id is empty or contains NUL"),
             Self::InFlight => f.write_str("another delivery of this message is in progress"),
             Self::Unresolved => f.write_str("the message's record awaits reconciliation"),
             Self::TransactionHeld => f.write_str("the handler kept the transaction"),
@@ -224,7 +275,8 @@ impl<DB: Backend> Consumer<DB> {
         }
     }
 
-    /// How long a processed id is remembered (default 7 days).
+    /// How long a processed id is remembered (default 7 days, at least
+    /// 1 ms, at most 10 000 years: a longer one is that, "forever").
     #[must_use]
     pub fn with_retention(mut self, retention: Duration) -> Self {
         self.retention = retention.max(Duration::from_millis(1));
@@ -261,7 +313,8 @@ impl<DB: Backend> Consumer<DB> {
     /// `handler` on the transaction that claims the id, unless the id was
     /// processed before. The handler writes through the [`Tx`] handle
     /// (lock it, write, drop the guard) and must not commit or roll back
-    /// itself.
+    /// itself. An id the ledger cannot hold on every store (empty, or with
+    /// a NUL) is [`ConsumeError::InvalidId`] before anything runs.
     pub async fn process<T, E, F, Fut>(
         &self,
         message_id: &str,
@@ -272,7 +325,7 @@ impl<DB: Backend> Consumer<DB> {
         F: FnOnce(Tx<DB>) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        if message_id.is_empty() {
+        if !storable_id(message_id) {
             return Err(ConsumeError::InvalidId);
         }
         let key = bounded(message_id);
@@ -370,7 +423,7 @@ impl<DB: Backend> Consumer<DB> {
             let claim = Claim {
                 scope: *scope,
                 fingerprint,
-                retention_ms: millis(self.retention),
+                retention_ms: retention_ms(self.retention),
                 lock_wait: left.max(Duration::from_millis(1)),
                 isolation: self.isolation,
             };
@@ -497,6 +550,14 @@ where
     }
 }
 
+/// Whether every store can hold `message_id` in its key column: not
+/// empty, and no NUL (PostgreSQL's `TEXT` refuses it; SQLite and MySQL
+/// would take it, so it is refused everywhere alike). Length is no limit:
+/// ids over 255 bytes are stored hashed.
+fn storable_id(message_id: &str) -> bool {
+    !message_id.is_empty() && !message_id.contains('\0')
+}
+
 /// Rolls the claimed transaction back and waits for it.
 async fn rollback<DB: Backend>(tx: Option<sqlx::Transaction<'static, DB>>) {
     if let Some(tx) = tx {
@@ -525,5 +586,24 @@ mod tests {
             ConsumeError::InvalidId,
         ];
         assert!(!never.iter().any(ConsumeError::redeliver));
+        // Only the handler's own failures may become poison.
+        assert!(ConsumeError::Handler(()).is_handler_failure());
+        assert!(ConsumeError::<()>::TransactionHeld.is_handler_failure());
+        for e in [
+            ConsumeError::<()>::InFlight,
+            ConsumeError::Store(sqlx::Error::PoolTimedOut),
+            ConsumeError::Unresolved,
+            ConsumeError::InvalidId,
+        ] {
+            assert!(!e.is_handler_failure(), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn ids_every_store_holds() {
+        assert!(super::storable_id("evt-1"));
+        assert!(super::storable_id(&"x".repeat(1000)));
+        assert!(!super::storable_id(""));
+        assert!(!super::storable_id("evt\0-1"));
     }
 }

@@ -24,12 +24,17 @@ pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// The longest tombstone retention applied: 10 000 years, "forever".
-const MAX_KEEP_MS: i64 = 10_000 * 366 * 24 * 3600 * 1000;
+/// The longest retention (of a key, a processed message id or a
+/// tombstone) applied: 10 000 years, "forever". Every store computes
+/// `now + retention` and later `expires_at + tombstone retention` in a
+/// signed 64-bit column: capped here, both fit with room to spare.
+pub(crate) const MAX_RETENTION_MS: i64 = 10_000 * 366 * 24 * 3600 * 1000;
 
-/// The longest retention a layer takes: 10 000 years, "forever" (longer
-/// would overflow the database clock's arithmetic).
-pub const MAX_RETENTION: Duration = Duration::from_millis(MAX_KEEP_MS as u64);
+/// A retention in whole milliseconds, capped at [`MAX_RETENTION_MS`]: the
+/// one conversion of every retention that becomes SQL arithmetic.
+pub(crate) fn retention_ms(d: Duration) -> i64 {
+    millis(d).min(MAX_RETENTION_MS)
+}
 
 /// A tombstone, or a terminal row whose retention has ended on the
 /// database's clock.
@@ -140,7 +145,7 @@ impl<DB: Backend> Sweeper<DB> {
 
     async fn sweep_until(&self, now: Option<i64>) -> Result<SweepReport, sqlx::Error> {
         // Capped at 10 000 years, so `expires_at + keep` fits the column.
-        let keep = millis(self.tombstone_retention).min(MAX_KEEP_MS);
+        let keep = retention_ms(self.tombstone_retention);
         let mut report = SweepReport::default();
         // Expire first, then purge; each phase until a short batch.
         for expiring in [true, false] {

@@ -138,6 +138,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     ///   (unreserved escapes decoded, other escapes upper-cased, dot segments
     ///   removed), so `/orders/abc/pay` and `/orders/%61bc/pay` are one
     ///   operation.
+    ///
+    /// The name `message` is reserved for message consumers
+    /// ([`MESSAGE_OPERATION`](crate::consumer::MESSAGE_OPERATION)): given
+    /// here, it is stored as its `sha256:` form, so an HTTP request never
+    /// meets a consumer's processed message in the ledger.
     #[must_use]
     pub fn with_operation(mut self, name: impl Into<String>) -> Self {
         self.config.operation = Some(Arc::from(name.into()));
@@ -169,12 +174,10 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// How long a key is honoured after its first use, on the database's
     /// clock: retries within it replay, later ones get `410`. Part of your
     /// API contract: publish it. Zero is refused (every retry would be
-    /// `410`). Longer than [`MAX_RETENTION`](crate::MAX_RETENTION) is
-    /// refused too (it becomes SQL arithmetic on the database's clock). The
-    /// default is 24 hours. Counted from when the answer is recorded, so a
-    /// lease-mode record settled late is replayable for all of it.
+    /// `410`); more than 10 000 years is that, "forever". The default is
+    /// 24 hours. Counted from when the answer is recorded, so a lease-mode
+    /// record settled late is replayable for all of it.
     pub fn with_retention(mut self, retention: Duration) -> Result<Self, ConfigError> {
-        let retention = at_most(retention, crate::MAX_RETENTION, "retention")?;
         self.config.retention = nonzero(retention, "retention")?;
         Ok(self)
     }
@@ -351,16 +354,16 @@ mod tests {
         assert!(layer().with_claim_retries(1, Duration::ZERO).is_err());
         assert!(layer().with_max_request_body(0).is_err());
         assert!(layer().with_mismatch_status(StatusCode::OK).is_err());
-        // Durations that become clock arithmetic (SQL, or `Instant + d`)
-        // are bounded: Duration::MAX overflowed every claim, or panicked.
+        // Waits that become `Instant + d` are bounded: Duration::MAX
+        // panicked on every request. (A retention that long is "forever",
+        // capped: see `longest_retention_still_records_and_replays`.)
         assert!(matches!(
-            layer().with_retention(Duration::MAX).unwrap_err(),
+            layer().with_in_flight_wait(Duration::MAX).unwrap_err(),
             ConfigError::TooLong {
-                what: "retention",
+                what: "in_flight_wait",
                 ..
             }
         ));
-        assert!(layer().with_in_flight_wait(Duration::MAX).is_err());
         assert!(layer().with_claim_retries(3, Duration::MAX).is_err());
         // The defaults: a quarter of the pool may wait, and the body's
         // representation headers are recorded.

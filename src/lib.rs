@@ -216,7 +216,11 @@
 //! - **Message consumers**: [`consumer::Consumer`] runs an at-least-once
 //!   consumer's handler on a transaction that claims the message id in the
 //!   same ledger, so a redelivery never applies twice and a failed message
-//!   is never marked processed. See [`consumer`].
+//!   is never marked processed. Only repeated handler failures may become
+//!   poison (an id still in flight, a store error: redeliver); an id the
+//!   store cannot hold (empty, a NUL) is refused as invalid on every store;
+//!   consumer scopes and HTTP scopes never meet (the operation `message` is
+//!   reserved for consumers). See [`consumer`].
 //! - **Clients** (feature `client`): `client::IdempotentRetryLayer` keeps
 //!   one key per logical request and retries it safely (bounded attempts,
 //!   deadline, `Retry-After`, a shared budget). The key is sent as a
@@ -256,8 +260,7 @@ pub use body::IdempotencyBody;
 pub use classify::{Classification, ResourceId};
 pub use config::ConfigError;
 pub use expiry::{
-    DEFAULT_RETENTION, DEFAULT_TOMBSTONE_RETENTION, IDEMPOTENCY_KEY_EXPIRES, MAX_RETENTION,
-    SweepReport, Sweeper,
+    DEFAULT_RETENTION, DEFAULT_TOMBSTONE_RETENTION, IDEMPOTENCY_KEY_EXPIRES, SweepReport, Sweeper,
 };
 pub use fingerprint::{Fingerprint, FingerprintError, Normalizer};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyMode, MAX_KEY_LEN};

@@ -31,6 +31,13 @@
 //! which keeps them distinct and fits every backend's key columns. A value
 //! that itself starts with `sha256:` is stored hashed too, so a literal
 //! principal can never meet a long principal's hashed form.
+//!
+//! The operation `message` is reserved for message consumers
+//! ([`MESSAGE_OPERATION`](crate::consumer::MESSAGE_OPERATION)): an HTTP
+//! operation named exactly that is stored as its `sha256:` form too, so an
+//! HTTP request and a consumer's message never claim each other's row,
+//! whatever a route or an operation is named. (The default operation, a
+//! method and a path, never is `message`.)
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -89,6 +96,18 @@ pub(crate) fn bounded(value: &str) -> Cow<'_, str> {
     }
 }
 
+/// The stored form of an HTTP operation name (the layer's, and the names a
+/// completer resumes): [`bounded`], and the consumers' reserved operation
+/// hashed, so that no HTTP row ever has the operation of a processed
+/// message. The one place that keeps the two kinds of scope apart.
+pub(crate) fn http_operation(name: &str) -> Cow<'_, str> {
+    if name == crate::consumer::MESSAGE_OPERATION {
+        hashed(name)
+    } else {
+        bounded(name)
+    }
+}
+
 /// `sha256:<hex>` of the value: distinct values stay distinct, and the
 /// value itself is not stored.
 pub(crate) fn hashed(value: &str) -> Cow<'static, str> {
@@ -118,6 +137,22 @@ mod tests {
         let spelled = bounded(&long_a).into_owned();
         assert_ne!(bounded(&spelled), bounded(&long_a));
         assert_eq!(bounded(&spelled), hashed(&spelled));
+    }
+
+    #[test]
+    fn no_http_operation_is_the_consumers() {
+        let message = crate::consumer::MESSAGE_OPERATION;
+        for name in [
+            message.to_string(),
+            hashed(message).into_owned(),
+            format!("{message} "),
+            "x".repeat(300),
+        ] {
+            assert_ne!(http_operation(&name), message, "{name:?}");
+        }
+        // Every other name is stored as `bounded` stores it.
+        assert_eq!(http_operation("POST /orders"), "POST /orders");
+        assert_eq!(http_operation("Message"), "Message");
     }
 
     #[test]

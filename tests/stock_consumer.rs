@@ -221,6 +221,11 @@ impl<DB: TestDb> World<DB> {
     /// Starts a consumer process and waits for its start-up line; the
     /// first one also creates the tables, then the stock is seeded.
     async fn spawn(&mut self, delay_ms: u64) -> usize {
+        self.spawn_with(delay_ms, &[]).await
+    }
+
+    /// [`spawn`](Self::spawn) with more flags.
+    async fn spawn_with(&mut self, delay_ms: u64, flags: &[&str]) -> usize {
         let mut child = Command::new(common::example("stock_consumer"))
             .args([
                 "--nats",
@@ -236,6 +241,7 @@ impl<DB: TestDb> World<DB> {
                 "--handler-delay-ms",
                 &delay_ms.to_string(),
             ])
+            .args(flags)
             .env("DATABASE_URL", &self.url)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -385,7 +391,7 @@ impl<DB: TestDb> World<DB> {
             + poison
                 .with_id
                 .iter()
-                .filter(|(_, reason)| *reason != "mismatch")
+                .filter(|(_, reason)| !UNCLAIMED.contains(reason))
                 .count() as i64;
         assert_eq!(
             self.count(
@@ -422,6 +428,76 @@ impl<DB: TestDb> World<DB> {
             count("duplicate "),
             count("poison "),
             count("retry "),
+        );
+    }
+
+    /// SIGKILLs consumer `i` inside a transaction, its `from`th or a later
+    /// one, and proves it landed there: the process is frozen (SIGSTOP)
+    /// while it says it is in a transaction, then the id of that
+    /// transaction must be held by an open transaction (a claim of it from
+    /// here waits and gives up, `InFlight`) and have no committed ledger
+    /// row. Only then is it killed. A stop that landed after the
+    /// transaction ended (the id committed or was rolled back) lets the
+    /// process go on and tries its next transaction. Returns the id.
+    async fn kill_inside_a_transaction(&mut self, i: usize, from: usize) -> String {
+        let probe = tower_idempotency::consumer::Consumer::new(self.pool().clone(), &self.durable)
+            .with_lock_wait(Duration::from_secs(2));
+        let pid = self.procs[i].child.id().expect("running").to_string();
+        let signal = |sig: &str| {
+            let sent = std::process::Command::new("kill")
+                .args([sig, &pid])
+                .status()
+                .unwrap();
+            assert!(sent.success(), "kill {sig} {pid}");
+        };
+        let mut wanted = from;
+        for _attempt in 0..20 {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            while self.procs[i].count("in-transaction ") < wanted {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "no transaction {wanted} within 20 s\n{}",
+                    self.logs()
+                );
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            signal("-STOP");
+            let lines = self.procs[i].lines();
+            let in_tx = lines
+                .iter()
+                .filter(|l| l.starts_with("in-transaction "))
+                .count();
+            let id = lines
+                .iter()
+                .rev()
+                .find_map(|l| l.strip_prefix("in-transaction "))
+                .expect("an in-transaction line")
+                .to_string();
+            let probed = probe
+                .process(&id, b"probe", |_tx| async {
+                    Err::<(), _>("the probe never applies")
+                })
+                .await;
+            let committed = self
+                .count(format!(
+                    "SELECT COUNT(*) FROM idempotency_records WHERE idem_key = '{id}'"
+                ))
+                .await;
+            if matches!(
+                probed,
+                Err(tower_idempotency::consumer::ConsumeError::InFlight)
+            ) && committed == 0
+            {
+                self.procs[i].sigkill().await;
+                return id;
+            }
+            // Stopped outside that transaction: let it go on.
+            signal("-CONT");
+            wanted = in_tx + 1;
+        }
+        panic!(
+            "consumer {i} was never stopped inside a transaction in 20 tries\n{}",
+            self.logs()
         );
     }
 
@@ -468,6 +544,9 @@ impl Event {
         )
     }
 }
+
+/// Poison reasons recorded without a claim of the Message-Id.
+const UNCLAIMED: [&str; 2] = ["mismatch", "invalid Message-Id"];
 
 /// The poison rows a case expects.
 #[derive(Default)]
@@ -534,6 +613,8 @@ e2e!(
     two_processes_on_one_durable_apply_each_id_once,
     payload_mismatch_is_poison_and_the_first_payload_stands,
     sigterm_finishes_the_message_in_hand,
+    a_message_id_the_store_cannot_hold_is_poison_and_acked,
+    a_claim_still_in_flight_is_redelivered_never_poison,
 );
 
 /// (a), (b), (c): N events and relay duplicates; the consumer is SIGKILLed
@@ -608,12 +689,13 @@ async fn two_processes_on_one_durable_apply_each_id_once<DB: TestDb>() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
-    // Its third transaction: kill it inside one, with work of both done.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while w.procs[victim].count("in-transaction ") < 3 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    w.procs[victim].sigkill().await;
+    // Its third transaction (or a later one): kill it inside one, with
+    // work of both done, and prove the kill landed there.
+    let killed = w.kill_inside_a_transaction(victim, 3).await;
+    println!(
+        "{} {case}: killed inside the transaction of {killed}",
+        DB::LABEL
+    );
     for e in events.iter().step_by(5) {
         w.publish(e).await;
     }
@@ -774,4 +856,73 @@ async fn postgres_a_repeated_failure_becomes_poison_after_a_few_deliveries() {
         INITIAL_STOCK
     );
     assert_eq!(w.count("SELECT COUNT(*) FROM stock_moves".into()).await, 0);
+}
+
+/// #16: a Message-Id with a NUL (which PostgreSQL's `TEXT` cannot hold) is
+/// refused as invalid on every store, recorded once as poison (under its
+/// percent-encoded id) and acked: not nak'ed forever, not applied.
+async fn a_message_id_the_store_cannot_hold_is_poison_and_acked<DB: TestDb>() {
+    let case = "nul";
+    let mut w = World::<DB>::new().await;
+    w.spawn(0).await;
+    w.publish_raw(
+        Some("evt-nul\0id"),
+        r#"{"orderId":"o-nul","sku":"sku-a","qty":1}"#,
+    )
+    .await;
+    let fine = Event::new(case, 1);
+    w.publish(&fine).await;
+    let poison = Poison {
+        without_id: 0,
+        with_id: vec![("evt-nul%00id".into(), "invalid Message-Id")],
+    };
+    w.settle_and_judge(case, std::slice::from_ref(&fine), &poison)
+        .await;
+    let retries = w.procs[0].count("retry ");
+    assert_eq!(retries, 0, "{}", w.logs());
+}
+
+/// #19: an earlier delivery's transaction still holds the claim (a frozen
+/// or partitioned process, here a transaction of the test's own): every
+/// delivery meanwhile is `InFlight`, nak'ed with a growing delay however
+/// often (more than five times), never poison; once the holder rolls back
+/// the redelivery applies it, exactly once.
+async fn a_claim_still_in_flight_is_redelivered_never_poison<DB: TestDb>() {
+    let case = "held";
+    let mut w = World::<DB>::new().await;
+    w.spawn_with(
+        0,
+        &[
+            "--lock-wait-ms",
+            "100",
+            "--retry-delay-ms",
+            "100",
+            "--max-retry-delay-ms",
+            "400",
+        ],
+    )
+    .await;
+    let event = Event::new(case, 0);
+    let holder = DB::hold_claim(w.pool(), &w.durable, "message", &event.id).await;
+    w.publish(&event).await;
+    let received = format!("received {} ", event.id);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
+    while w.procs[0].count(&received) < 7 && w.procs[0].count("poison ") == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "fewer than 7 deliveries within 40 s\n{}",
+            w.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        w.procs[0].count("poison "),
+        0,
+        "a message whose claim is in flight became poison\n{}",
+        w.logs()
+    );
+    // The holder gives up: the next redelivery runs the handler.
+    holder.rollback().await.unwrap();
+    w.settle_and_judge(case, std::slice::from_ref(&event), &Poison::default())
+        .await;
 }

@@ -16,7 +16,7 @@ use super::{LeaseMode, Leased};
 use crate::classify::Classification;
 use crate::outcome::IdempotencyOutcome;
 use crate::problem::ProblemKind;
-use crate::scope::bounded;
+use crate::scope::http_operation;
 use crate::store::{Backend, IsolationLevel, RecordStatus, Scope};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -88,7 +88,7 @@ impl<DB: Backend> Completer<DB> {
 
     /// Registers how to resume records of `operation` (as the layer names
     /// it: `POST /payments` for the route's method and path, or the name
-    /// given to `with_operation`). The function gets the context at the
+    /// given to `with_operation`, stored as the layer stores it). The function gets the context at the
     /// record's last recovery point, with no request: everything it needs
     /// must have been saved by a phase. Its answer is recorded as a
     /// handler's is. A record whose first attempt died before its first
@@ -109,7 +109,7 @@ impl<DB: Backend> Completer<DB> {
     {
         let resume: Resume<DB> = Arc::new(move |leased| Box::pin(resume(leased)));
         self.resumers
-            .insert(bounded(operation).into_owned(), resume);
+            .insert(http_operation(operation).into_owned(), resume);
         self
     }
 

@@ -10,7 +10,7 @@ use sqlx::Transaction;
 use super::{
     Answer, IdempotencyOutcome, Identity, Run, add_expiry, refusal, store_problem, within,
 };
-use crate::expiry::{is_expired, millis};
+use crate::expiry::{is_expired, retention_ms};
 
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
@@ -164,7 +164,7 @@ impl<DB: Backend> Run<DB> {
         let claim = Claim {
             scope: id.scope,
             fingerprint: id.fingerprint.as_bytes(),
-            retention_ms: millis(cfg.retention),
+            retention_ms: retention_ms(cfg.retention),
             lock_wait,
             isolation: cfg.isolation,
         };

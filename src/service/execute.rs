@@ -18,7 +18,7 @@ use super::{
 };
 use crate::body::IdempotencyBody;
 use crate::classify::Classification;
-use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, millis};
+use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, retention_ms};
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
@@ -196,7 +196,7 @@ impl<DB: Backend> Run<DB> {
         let claim = Claim {
             scope: id.scope,
             fingerprint: id.fingerprint.as_bytes(),
-            retention_ms: millis(self.config.retention),
+            retention_ms: retention_ms(self.config.retention),
             lock_wait: Duration::ZERO,
             isolation: self.config.isolation,
         };

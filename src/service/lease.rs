@@ -16,7 +16,7 @@ use super::{
     store_problem, within,
 };
 use crate::body::IdempotencyBody;
-use crate::expiry::millis;
+use crate::expiry::retention_ms;
 use crate::lease::new_claim_id;
 use crate::lease::settle::{ReleaseOnDrop, park_unreadable, release, settle};
 use crate::lease::{LeaseMode, Leased};
@@ -75,7 +75,7 @@ impl<DB: Backend> Run<DB> {
             let claim = Claim {
                 scope: id.scope,
                 fingerprint: id.fingerprint.as_bytes(),
-                retention_ms: millis(cfg.retention),
+                retention_ms: retention_ms(cfg.retention),
                 lock_wait: left.clamp(Duration::from_millis(1), MIN_READ_WAIT),
                 isolation: cfg.isolation,
             };

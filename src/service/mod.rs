@@ -30,7 +30,7 @@ use crate::key::IdempotencyKey;
 use crate::local::Local;
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
-use crate::scope::{bounded, default_operation, hashed};
+use crate::scope::{bounded, default_operation, hashed, http_operation};
 use crate::store::{Backend, Scope, StoreErrorKind};
 
 mod claim;
@@ -252,7 +252,7 @@ impl<DB: Backend> Run<DB> {
         observe::scope(&operation, key.as_str());
         let lease_mode = cfg.lease;
         let principal = bounded(principal.as_str());
-        let operation = bounded(&operation);
+        let operation = http_operation(&operation);
         let key = if cfg.hash_keys {
             hashed(key.as_str())
         } else {

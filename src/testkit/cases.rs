@@ -565,6 +565,19 @@ pub async fn unguarded_methods_pass_through<DB: ConformanceDb>(h: Harness<DB>) {
     assert_eq!(h.orders().await, 1);
 }
 
+/// Case: the longest retention a layer can be given (`Duration::MAX`)
+/// still records and replays: it is capped (10 000 years) before it
+/// becomes SQL arithmetic, on every store.
+pub async fn longest_retention_still_records_and_replays<DB: ConformanceDb>(h: Harness<DB>) {
+    let layer = h.layer().with_retention(Duration::MAX).unwrap();
+    let app = h.app_with(layer);
+    let first = send(&app, order(ALICE, KEY, BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let retry = send(&app, order(ALICE, KEY, BODY)).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(h.orders().await, 1);
+}
+
 /// Issue 5: clients learn until when a retry is safe, on first answers and
 /// replays alike; an expired key's 410 links the resource.
 pub async fn answers_advertise_the_key_expiry<DB: ConformanceDb>(h: Harness<DB>) {

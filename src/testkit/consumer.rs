@@ -247,3 +247,119 @@ pub async fn consumer_lock_wait_bounds_a_concurrent_delivery<DB: ConformanceDb>(
     assert!(matches!(later, Ok(Processed::Duplicate)), "{later:?}");
     assert_eq!(h.orders().await, 1);
 }
+
+/// Case: an id the ledger cannot hold on every store (a NUL, which
+/// PostgreSQL's `TEXT` refuses) is refused as [`ConsumeError::InvalidId`]
+/// on every store, before anything runs or is stored, and is not a
+/// redeliverable error (a redelivery would fail the same way forever).
+pub async fn consumer_refuses_ids_the_store_cannot_hold<DB: ConformanceDb>(h: Harness<DB>) {
+    let consumer = Consumer::new(h.pool.clone(), "stock");
+    let runs = AtomicUsize::new(0);
+    for id in [
+        "evt\0-1",
+        "\0",
+        "evt-1\0",
+        &format!("{}\0", "x".repeat(300)),
+    ] {
+        let out = deliver(&consumer, &runs, id, PAYLOAD).await;
+        match out {
+            Err(ref e @ ConsumeError::InvalidId) => assert!(!e.redeliver()),
+            other => panic!("{}: {id:?} gave {other:?}, not InvalidId", DB::LABEL),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the handler never ran");
+    h.assert_nothing_stored().await;
+    // The same id without the NUL is an ordinary id.
+    let fine = deliver(&consumer, &runs, "evt-1", PAYLOAD).await;
+    assert!(matches!(fine, Ok(Processed::Applied(_))), "{fine:?}");
+}
+
+/// Case: the longest retention and lock wait a consumer can be given
+/// (`Duration::MAX`) still process messages on every store: every duration
+/// that becomes SQL arithmetic is capped to what the columns hold.
+pub async fn consumer_longest_durations_still_process<DB: ConformanceDb>(h: Harness<DB>) {
+    let consumer = Consumer::new(h.pool.clone(), "stock")
+        .with_retention(Duration::MAX)
+        .with_lock_wait(Duration::MAX);
+    let runs = AtomicUsize::new(0);
+    let first = deliver(&consumer, &runs, "evt-1", PAYLOAD).await;
+    assert!(
+        matches!(first, Ok(Processed::Applied(_))),
+        "{}: with_retention(Duration::MAX): {first:?}",
+        DB::LABEL
+    );
+    let again = deliver(&consumer, &runs, "evt-1", PAYLOAD).await;
+    assert!(matches!(again, Ok(Processed::Duplicate)), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(h.orders().await, 1);
+    // Kept for thousands of years: not expired, and a sweep leaves it.
+    assert_eq!(
+        DB::count(
+            &h.pool,
+            "SELECT COUNT(*) FROM idempotency_records WHERE expires_at > 32503680000000"
+        )
+        .await,
+        1,
+        "expires after the year 3000"
+    );
+    let swept = Sweeper::new(h.pool.clone()).sweep().await.expect("sweep");
+    assert_eq!(swept.expired, 0);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+}
+
+/// Case: HTTP requests and consumer deliveries never meet in the ledger,
+/// whatever the HTTP operation is named: a request of principal `stock`
+/// with key `evt-1` never makes consumer `stock`'s `evt-1` a mismatch or a
+/// duplicate, and a processed message never answers an HTTP request.
+pub async fn consumer_and_http_scopes_never_meet<DB: ConformanceDb>(h: Harness<DB>) {
+    use crate::consumer::MESSAGE_OPERATION;
+    let message_hash = crate::scope::hashed(MESSAGE_OPERATION).into_owned();
+    let names = [
+        MESSAGE_OPERATION.to_string(),
+        message_hash.clone(),
+        crate::scope::hashed(&message_hash).into_owned(),
+        "POST /orders".to_string(),
+        "/orders".to_string(),
+        "Message".to_string(),
+        format!("{MESSAGE_OPERATION} "),
+    ];
+    let consumer = Consumer::new(h.pool.clone(), "stock");
+    let runs = AtomicUsize::new(0);
+    let body = r#"{"amount":5}"#;
+    // HTTP first, under every name, then the consumer.
+    for (i, name) in names.iter().enumerate() {
+        let app = h.app_with(h.layer().with_operation(name.as_str()));
+        let res = super::send(&app, super::order(Some("stock"), Some("evt-1"), body)).await;
+        assert_eq!(res.status, http::StatusCode::CREATED, "{name:?}: {res:?}");
+        assert_eq!(h.executions(), i + 1, "{name:?}: the HTTP handler ran");
+    }
+    let out = deliver(&consumer, &runs, "evt-1", PAYLOAD).await;
+    assert!(
+        matches!(out, Ok(Processed::Applied(_))),
+        "{}: after HTTP requests with key evt-1, the message gave {out:?}",
+        DB::LABEL
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the consumer's handler ran once"
+    );
+    // The consumer first, then HTTP under every name: each runs.
+    let out = deliver(&consumer, &runs, "evt-2", PAYLOAD).await;
+    assert!(matches!(out, Ok(Processed::Applied(_))), "{out:?}");
+    let before = h.executions();
+    for (i, name) in names.iter().enumerate() {
+        let app = h.app_with(h.layer().with_operation(name.as_str()));
+        let res = super::send(&app, super::order(Some("stock"), Some("evt-2"), body)).await;
+        assert_eq!(res.status, http::StatusCode::CREATED, "{name:?}: {res:?}");
+        assert!(!res.replayed(), "{name:?}: replayed a message's row");
+        assert_eq!(
+            h.executions(),
+            before + i + 1,
+            "{name:?}: the HTTP handler ran"
+        );
+    }
+    let again = deliver(&consumer, &runs, "evt-2", PAYLOAD).await;
+    assert!(matches!(again, Ok(Processed::Duplicate)), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}

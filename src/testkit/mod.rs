@@ -496,6 +496,7 @@ macro_rules! conformance_suite {
             lost_connection_commits_nothing_and_retry_runs_once,
             unguarded_methods_pass_through,
             answers_advertise_the_key_expiry,
+            longest_retention_still_records_and_replays,
             hashed_keys_keep_the_guarantees,
             sweep_tombstones_expired_rows_and_purges_them_later,
             claims_run_while_a_large_sweep_runs,
@@ -553,6 +554,9 @@ macro_rules! conformance_suite {
             consumer_swept_ids_stay_duplicates,
             consumer_as_a_tower_service_applies_once,
             consumer_lock_wait_bounds_a_concurrent_delivery,
+            consumer_refuses_ids_the_store_cannot_hold,
+            consumer_longest_durations_still_process,
+            consumer_and_http_scopes_never_meet,
         );
     };
 }
