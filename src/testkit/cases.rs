@@ -1365,14 +1365,16 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
     crate::migrate(pool).await.unwrap();
     assert_eq!(
         DB::count(pool, "SELECT COUNT(*) FROM tower_idempotency_migrations").await,
-        4
+        5
     );
-    // v4: an old row is a default-mode row, never leased.
+    // v4: an old row is a default-mode row, never leased; v5: no claim id,
+    // never parked.
     assert_eq!(
         DB::count(
             pool,
             "SELECT COUNT(*) FROM idempotency_records WHERE principal_id = 'old' \
-             AND generation = 0 AND locked_until IS NULL AND pending_step IS NULL"
+             AND generation = 0 AND locked_until IS NULL AND pending_step IS NULL \
+             AND claim_id IS NULL AND parks = 0"
         )
         .await,
         1
