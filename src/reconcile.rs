@@ -60,7 +60,11 @@ pub enum Resolution {
     /// Nothing took effect: the record is deleted and the key's next
     /// request runs the handler again. For a lease-mode record, the pending
     /// step had no effect: the record resumes at its last recovery point
-    /// and runs that step again (with the same step key).
+    /// and runs that step again (with the same step key). Give it only when
+    /// the provider proves the step had no effect: a record with nothing
+    /// saved may then be deleted as a bare claim by a resume function that
+    /// follows the rule for those, and its next request gets a new claim,
+    /// with new step keys.
     Rerun,
 }
 
@@ -99,8 +103,10 @@ pub enum ResolveError {
         retry_after: Duration,
     },
     /// The record is unsettled but no longer as listed: an attempt took it
-    /// over (and let it go) since, at `generation`. Its state may have
-    /// moved on: list it again and decide on what it is now.
+    /// over (and let it go) since, or a completer pass acted on it and
+    /// parked it again; it is at `generation` now. Its state may have moved
+    /// on (a pass may have run the step): list it again, check the provider
+    /// again, and decide on what it is now.
     Changed {
         /// The record's generation now.
         generation: i64,
@@ -198,7 +204,10 @@ impl<DB: Backend> Reconciler<DB> {
             Resolution::Succeeded(res) => (RecordStatus::Succeeded, res),
             Resolution::Failed(res) => (RecordStatus::FailedFinal, res),
             Resolution::Rerun => {
-                return self.verdict(record, &LeaseWrite::Rerun).await;
+                let rerun = LeaseWrite::Rerun {
+                    parks: record.parks,
+                };
+                return self.verdict(record, &rerun).await;
             }
         };
         let (parts, body) = response.into_parts();
@@ -211,8 +220,11 @@ impl<DB: Backend> Reconciler<DB> {
             response_body: &stored.body,
             resource_id: None,
         };
-        self.verdict(record, &LeaseWrite::Resolve(&completion))
-            .await
+        let resolve = LeaseWrite::Resolve {
+            completion: &completion,
+            parks: record.parks,
+        };
+        self.verdict(record, &resolve).await
     }
 
     /// Writes a verdict; when it matched nothing, reads the record to say
@@ -234,6 +246,12 @@ impl<DB: Backend> Reconciler<DB> {
         }
         match now.lease {
             Some(lease) if lease.claim_id != record.claim_id => Err(ResolveError::Gone),
+            // Parked again since the listing: a pass acted on it.
+            Some(lease) if now.status == RecordStatus::NeedsReconciliation => {
+                Err(ResolveError::Changed {
+                    generation: lease.generation,
+                })
+            }
             Some(lease) if lease.live => Err(ResolveError::Held {
                 retry_after: HELD_RETRY,
             }),

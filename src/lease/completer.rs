@@ -17,7 +17,7 @@ use crate::classify::Classification;
 use crate::outcome::IdempotencyOutcome;
 use crate::problem::ProblemKind;
 use crate::scope::http_operation;
-use crate::store::{Backend, IsolationLevel, RecordStatus, Scope};
+use crate::store::{Backend, Fence, IsolationLevel, RecordStatus, Scope, end_lease};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 type Resume<DB> = Arc<dyn Fn(Leased<DB>) -> BoxFuture<Response<Bytes>> + Send + Sync>;
@@ -167,7 +167,19 @@ impl<DB: Backend> Completer<DB> {
             }
             report.taken_over += 1;
             let generation = record.generation + 1;
-            let Some(saved) = DB::fetch(&self.pool, &scope).await?.and_then(|r| r.lease) else {
+            let saved = match DB::fetch(&self.pool, &scope).await {
+                Ok(record) => record.and_then(|r| r.lease),
+                Err(e) => {
+                    // Won, but unusable: no lease is left without its owner.
+                    let won = Fence {
+                        generation,
+                        claim: record.claim_id.as_deref(),
+                    };
+                    end_lease(&self.pool, &scope, won).await;
+                    return Err(e);
+                }
+            };
+            let Some(saved) = saved else {
                 continue;
             };
             if saved.generation != generation || saved.claim_id != record.claim_id {

@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 use sqlx::{Pool, Transaction};
 
 use super::{LeaseError, LeaseMode};
-use crate::store::{Backend, Fence, IsolationLevel, LeaseState, LeaseWrite, Scope};
+use crate::store::{Backend, CLAIM_ID, Fence, IsolationLevel, LeaseState, LeaseWrite, Scope};
 use crate::tx::Tx;
 
 /// The lease an attempt holds on its key: the handler's context in lease
@@ -102,12 +102,12 @@ impl<DB: Backend> Leased<DB> {
         }
         state.progressed = state.point.is_some()
             || state.pending.is_some()
-            || state.data.keys().any(|k| k != super::CLAIM_ID);
+            || state.data.keys().any(|k| k != CLAIM_ID);
         let step_seed = match &saved.claim_id {
             Some(id) => id.clone(),
             None => state
                 .data
-                .get(super::CLAIM_ID)
+                .get(CLAIM_ID)
                 .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_owned(),

@@ -266,10 +266,6 @@ pub(crate) fn new_claim_id() -> String {
     )
 }
 
-/// Where rows claimed before the ledger stored claim ids keep theirs: in
-/// the saved data, under this reserved name.
-pub(crate) const CLAIM_ID: &str = "~claim";
-
 /// The settings of lease mode; see the [module docs](self).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseMode {
@@ -304,6 +300,13 @@ impl LeaseMode {
 
     pub(crate) fn lease_ms(&self) -> i64 {
         crate::expiry::millis(self.lease)
+    }
+
+    /// The lease while a step runs: it covers the step's timeout, so a
+    /// call that may still land is never taken over, listed as stranded or
+    /// settled by an operator before it has ended.
+    pub(crate) fn step_lease_ms(&self) -> i64 {
+        crate::expiry::millis(self.lease.max(self.step_timeout))
     }
 }
 

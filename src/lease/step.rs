@@ -290,7 +290,7 @@ impl<DB: Backend> Leased<DB> {
         }
         self.write(&LeaseWrite::Pending {
             step: name,
-            lease_ms: self.inner.mode.lease_ms(),
+            lease_ms: self.inner.mode.step_lease_ms(),
         })
         .await?;
         {
@@ -367,13 +367,15 @@ impl<DB: Backend> Leased<DB> {
     }
 
     /// Runs a call under the step timeout, renewing the lease every third
-    /// of it meanwhile. A renewal runs beside the call, never in its way:
-    /// the call and its timeout keep running while a renewal waits on a
-    /// lock, and a renewal that cannot finish within a third of the lease
-    /// is given up (the lease may then lapse: the attempt's later writes
-    /// are fenced, so a takeover meanwhile is safe). A renewal refused
-    /// marks the attempt lost; the call still runs to its end. A renewal
-    /// still running when the call ends is stopped.
+    /// of it meanwhile (for the step's timeout, at least the lease). A
+    /// renewal runs beside the call, as a task of its own, never in its
+    /// way: the call and its timeout keep running while a renewal waits on
+    /// a lock (bounded by the store's lock wait), and a tick while one
+    /// still waits starts none, so a step holds at most one connection for
+    /// its renewals. A renewal only extends a live lease: one that lands
+    /// late, after the attempt ended its lease, changes nothing. A renewal
+    /// that matches nothing says nothing either; the attempt's next write
+    /// is fenced and tells.
     async fn bounded<T, E>(&self, call: impl Future<Output = Result<T, E>>) -> Call<T, E> {
         let mut call = pin!(tokio::time::timeout(self.inner.mode.step_timeout, call));
         let period = (self.inner.mode.lease / 3).max(std::time::Duration::from_millis(1));
@@ -385,21 +387,16 @@ impl<DB: Backend> Leased<DB> {
             }
             while tick.as_mut().poll(cx).is_ready() {
                 tick.as_mut().reset(tokio::time::Instant::now() + period);
-                // One renewal at a time: a tick while one still waits
-                // (bounded by its own timeout) starts none.
                 if renewal
                     .as_ref()
                     .is_none_or(tokio::task::JoinHandle::is_finished)
                 {
-                    renewal = Some(self.spawn_renewal(period));
+                    renewal = Some(self.spawn_renewal());
                 }
             }
             Poll::Pending
         })
         .await;
-        if let Some(renewal) = renewal {
-            renewal.abort();
-        }
         match ended {
             Ok(Ok(out)) => Call::Ok(out),
             Ok(Err(e)) => Call::Err(e),
@@ -407,21 +404,21 @@ impl<DB: Backend> Leased<DB> {
         }
     }
 
-    /// One lease renewal as a task of its own (so its statement finishes
-    /// on its connection whatever becomes of the step), given up after
-    /// `bound`.
-    fn spawn_renewal(&self, bound: std::time::Duration) -> tokio::task::JoinHandle<()> {
+    /// One lease renewal as a task of its own: its statement finishes on
+    /// its connection whatever becomes of the step.
+    fn spawn_renewal(&self) -> tokio::task::JoinHandle<()> {
         let leased = self.clone();
         tokio::spawn(async move {
             let renew = LeaseWrite::Renew {
-                lease_ms: leased.inner.mode.lease_ms(),
+                lease_ms: leased.inner.mode.step_lease_ms(),
             };
-            match tokio::time::timeout(bound, leased.write(&renew)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!(error = %e, "could not renew the lease during a step"),
-                Err(_) => {
-                    tracing::warn!("a lease renewal did not finish in time; the lease may lapse")
+            let inner = &leased.inner;
+            match DB::lease_write(&inner.pool, &leased.scope(), leased.fence(), &renew).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::warn!("the lease was not renewed: it ended or was taken over")
                 }
+                Err(e) => tracing::warn!(error = %e, "could not renew the lease during a step"),
             }
         })
     }

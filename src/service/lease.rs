@@ -23,7 +23,8 @@ use crate::lease::{LeaseMode, Leased};
 use crate::observe;
 use crate::problem::Problem;
 use crate::store::{
-    Backend, Claim, LeaseState, OwnedClaim, OwnedScope, Owning, RecordStatus, spawn_owning,
+    Backend, Claim, Fence, LeaseState, OwnedClaim, OwnedScope, Owning, RecordStatus, claim_data,
+    end_lease, spawn_owning,
 };
 
 /// How a lease-mode claim ended.
@@ -92,7 +93,7 @@ impl<DB: Backend> Run<DB> {
                         generation: 1,
                         live: true,
                         recovery_point: None,
-                        recovery_data: None,
+                        recovery_data: Some(claim_data(&claim_id).into_bytes()),
                         pending_step: None,
                         claim_id: Some(claim_id),
                         parks: 0,
@@ -164,7 +165,15 @@ impl<DB: Backend> Run<DB> {
         let generation = lease.generation + 1;
         let saved = match within(wait, DB::fetch(&self.pool, &id.scope)).await {
             Ok(record) => record.and_then(|r| r.lease),
-            Err(e) => return Lookup::Answer(refusal(store_problem::<DB>(&e), attempts)),
+            Err(e) => {
+                // Won, but unusable: no lease is left without its owner.
+                let won = Fence {
+                    generation,
+                    claim: lease.claim_id.as_deref(),
+                };
+                end_lease(&self.pool, &id.scope, won).await;
+                return Lookup::Answer(refusal(store_problem::<DB>(&e), attempts));
+            }
         };
         let Some(saved) =
             saved.filter(|s| s.generation == generation && s.claim_id == lease.claim_id)

@@ -21,6 +21,8 @@ pub(crate) struct Dialect {
     pub(crate) read_key: fn(&str) -> String,
     /// The database clock, epoch milliseconds.
     pub(crate) now: &'static str,
+    /// The `parks` column read as a 64-bit integer.
+    pub(crate) parks: &'static str,
 }
 
 /// What a fenced write names: the claim (its random id) and the
@@ -44,7 +46,8 @@ pub struct Fence<'a> {
 /// `NEEDS_RECONCILIATION`.
 #[derive(Debug, Clone, Copy)]
 pub enum LeaseWrite<'a> {
-    /// Extends the lease to `lease_ms` from now.
+    /// Extends a live lease to `lease_ms` from now (a lease that lapsed or
+    /// was ended stays so).
     Renew {
         /// The lease, milliseconds.
         lease_ms: i64,
@@ -88,17 +91,26 @@ pub enum LeaseWrite<'a> {
     /// deleted, so the key runs afresh. Matches only an unsettled row of
     /// the claim named: parked, or (as listed, at the listed generation)
     /// `PROCESSING` with its lease lapsed, like [`Resolve`](Self::Resolve).
-    Rerun,
+    Rerun {
+        /// How often the record had been parked when it was listed.
+        parks: i64,
+    },
     /// Records the answer, `SUCCEEDED` or `FAILED_FINAL`, and ends the
     /// lease. Retention counts from now.
     Complete(&'a Completion<'a>),
     /// An operator's verdict: records the answer as
     /// [`Complete`](Self::Complete) does (moving the generation on, so an
     /// earlier owner is fenced out), but only on an unsettled row of the
-    /// claim named that no attempt holds: parked, or `PROCESSING` with its
-    /// lease lapsed at the listed generation. Of two verdicts on one record
-    /// exactly one wins.
-    Resolve(&'a Completion<'a>),
+    /// claim named that no attempt holds: parked as often as when it was
+    /// listed (a completer pass that acted on it since parks it once more),
+    /// or `PROCESSING` with its lease lapsed at the listed generation. Of
+    /// two verdicts on one record exactly one wins.
+    Resolve {
+        /// The answer.
+        completion: &'a Completion<'a>,
+        /// How often the record had been parked when it was listed.
+        parks: i64,
+    },
     /// Deletes the row: nothing was committed but the claim, and the key
     /// may be used again (a request the handler rejected).
     Delete,
@@ -145,6 +157,17 @@ pub(crate) fn lease_from_row(row: LeaseRow) -> Result<LeaseRecord, sqlx::Error> 
     })
 }
 
+/// The reserved name under which the saved data holds the claim id too:
+/// where rows claimed before the ledger had a `claim_id` column keep
+/// theirs, and what an instance of that version derives step keys from,
+/// so that versions side by side during an upgrade agree on them.
+pub(crate) const CLAIM_ID: &str = "~claim";
+
+/// The saved data a claim starts with: the claim id under [`CLAIM_ID`].
+pub(crate) fn claim_data(claim_id: &str) -> String {
+    format!(r#"{{"{CLAIM_ID}":"{claim_id}"}}"#)
+}
+
 /// The `locked_until` of a parked row no completer can help: never.
 const NEVER: &str = "9223372036854775807";
 
@@ -181,12 +204,13 @@ impl Dialect {
         )
     }
 
-    /// An operator's fence: an unsettled row that no attempt holds. A
-    /// lease-mode row of the claim named, parked (at any generation:
-    /// completer passes move it between the listing and the verdict) or
-    /// `PROCESSING` with its lease lapsed at the listed generation; a
-    /// default-mode row `PROCESSING` or parked.
-    fn verdict(&self, scope: &Scope<'_>, fence: Fence<'_>) -> String {
+    /// An operator's fence: an unsettled row that no attempt holds, as it
+    /// was listed. A lease-mode row of the claim named, parked as often as
+    /// when listed (at any generation: a completer pass that only takes it
+    /// and gives it back moves the generation, one that parks it again
+    /// moves `parks`), or `PROCESSING` with its lease lapsed at the listed
+    /// generation; a default-mode row `PROCESSING` or parked.
+    fn verdict(&self, scope: &Scope<'_>, fence: Fence<'_>, parks: i64) -> String {
         if fence.generation == 0 {
             return format!(
                 "{} AND generation = 0 AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
@@ -194,7 +218,7 @@ impl Dialect {
             );
         }
         format!(
-            "{} AND generation > 0 AND (status = 'NEEDS_RECONCILIATION' OR \
+            "{} AND generation > 0 AND ((status = 'NEEDS_RECONCILIATION' AND parks = {parks}) OR \
              (status = 'PROCESSING' AND generation = {} AND locked_until <= {}))",
             self.claimed(scope, fence.claim),
             fence.generation,
@@ -202,8 +226,10 @@ impl Dialect {
         )
     }
 
-    /// A lease claim: `PROCESSING`, generation 1, the claim id, leased for
-    /// `lease_ms`. `tail` is the backend's conflict clause.
+    /// A lease claim: `PROCESSING`, generation 1, the claim id (in its
+    /// column, and in the saved data as [`CLAIM_ID`]), leased for
+    /// `lease_ms`. `tail` is the backend's conflict clause. The claim id is
+    /// made of hex digits.
     pub(crate) fn claim(
         &self,
         claim: &Claim<'_>,
@@ -222,7 +248,7 @@ impl Dialect {
             (self.key)(claim.scope.key),
             (self.blob)(claim.fingerprint),
             claim.retention_ms,
-            (self.blob)(b"{}"),
+            (self.blob)(claim_data(claim_id).as_bytes()),
             (self.key)(claim_id),
             now = self.now,
         )
@@ -262,9 +288,17 @@ impl Dialect {
         write: &LeaseWrite<'_>,
     ) -> String {
         let (fence, default_mode) = match write {
-            LeaseWrite::Rerun | LeaseWrite::Resolve(_) => {
-                (self.verdict(scope, fence), fence.generation == 0)
+            LeaseWrite::Rerun { parks } | LeaseWrite::Resolve { parks, .. } => {
+                (self.verdict(scope, fence, *parks), fence.generation == 0)
             }
+            LeaseWrite::Renew { .. } => (
+                format!(
+                    "{} AND locked_until > {}",
+                    self.fenced(scope, fence),
+                    self.now
+                ),
+                false,
+            ),
             _ => (self.fenced(scope, fence), false),
         };
         // Retention counts from the answer's recording: the row keeps its
@@ -272,7 +306,7 @@ impl Dialect {
         let retain = format!("expires_at = {} + (expires_at - created_at)", self.now);
         let set = match write {
             LeaseWrite::Delete => return format!("DELETE FROM idempotency_records WHERE {fence}"),
-            LeaseWrite::Rerun if default_mode => {
+            LeaseWrite::Rerun { .. } if default_mode => {
                 return format!("DELETE FROM idempotency_records WHERE {fence}");
             }
             LeaseWrite::Renew { lease_ms } => format!("locked_until = {} + {lease_ms}", self.now),
@@ -295,7 +329,7 @@ impl Dialect {
                 self.now
             ),
             LeaseWrite::Release => format!("locked_until = {}", self.now),
-            LeaseWrite::Rerun => format!(
+            LeaseWrite::Rerun { .. } => format!(
                 "status = 'PROCESSING', locked_until = {}, pending_step = NULL, \
                  generation = generation + 1",
                 self.now
@@ -306,8 +340,8 @@ impl Dialect {
                 "status = 'NEEDS_RECONCILIATION', parks = parks + 1, locked_until = {}",
                 retry_ms.map_or_else(|| NEVER.to_string(), |ms| format!("{} + {ms}", self.now))
             ),
-            LeaseWrite::Complete(c) | LeaseWrite::Resolve(c) => {
-                let verdict = if matches!(write, LeaseWrite::Resolve(_)) && !default_mode {
+            LeaseWrite::Complete(c) | LeaseWrite::Resolve { completion: c, .. } => {
+                let verdict = if matches!(write, LeaseWrite::Resolve { .. }) && !default_mode {
                     ", generation = generation + 1"
                 } else {
                     ""
@@ -358,7 +392,7 @@ impl Dialect {
     pub(crate) fn unresolved(&self, limit: i64, stranded_ms: i64) -> String {
         format!(
             "SELECT {}, {}, {}, status, response_status, created_at, generation, {}, {}, {}, \
-             locked_until FROM idempotency_records \
+             locked_until, {} FROM idempotency_records \
              WHERE status = 'NEEDS_RECONCILIATION' \
              OR (status = 'PROCESSING' AND generation = 0) \
              OR (status = 'PROCESSING' AND generation > 0 AND locked_until <= {now} \
@@ -370,6 +404,7 @@ impl Dialect {
             (self.read_key)("pending_step"),
             (self.read_key)("recovery_point"),
             (self.read_key)("claim_id"),
+            self.parks,
             now = self.now,
         )
     }

@@ -60,6 +60,7 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
+pub(crate) use lease::{CLAIM_ID, claim_data};
 pub use lease::{Fence, LeaseRecord, LeaseWrite};
 pub(crate) use literal::hex;
 
@@ -210,15 +211,22 @@ pub(crate) async fn spawn_owning<DB: Backend>(
                 generation,
                 claim: claim_id,
             };
-            if let Err(e) = DB::lease_write(&pool, &scope, fence, &LeaseWrite::Release).await {
-                tracing::warn!(error = %e, "could not end a lease nobody waited for; it lapses");
-            }
+            end_lease(&pool, &scope, fence).await;
         }
     });
     match tokio::time::timeout(wait, waiting).await {
         Ok(Ok(won)) => won,
         Ok(Err(_)) => Err(sqlx::Error::WorkerCrashed),
         Err(_) => Err(sqlx::Error::PoolTimedOut),
+    }
+}
+
+/// Ends a lease this process won but nobody will use (best effort: a
+/// lease that cannot be ended lapses on its own), so the next retry takes
+/// the row over at once.
+pub(crate) async fn end_lease<DB: Backend>(pool: &Pool<DB>, scope: &Scope<'_>, fence: Fence<'_>) {
+    if let Err(e) = DB::lease_write(pool, scope, fence, &LeaseWrite::Release).await {
+        tracing::warn!(error = %e, "could not end a lease nobody holds; it lapses on its own");
     }
 }
 
@@ -460,6 +468,10 @@ pub struct UnresolvedRecord {
     /// Lease mode: when the lease ends or ended (for a parked record, when
     /// a completer may retry it), epoch milliseconds (database clock).
     pub locked_until: Option<i64>,
+    /// Lease mode: how often the record was parked (a verdict names it, so
+    /// a completer pass that acted on the record since the listing makes
+    /// the verdict [`Changed`](crate::ResolveError::Changed)).
+    pub parks: i64,
 }
 
 impl UnresolvedRecord {
@@ -694,8 +706,9 @@ pub trait Backend: Database {
     // taken over: the fence is in the same statement as the write.
 
     /// Inserts and commits a lease claim: `PROCESSING`, generation 1,
-    /// `locked_until` = now + `lease_ms` (database clock), `claim_id`, no
-    /// saved data. `Ok(false)` when a row already holds the scope. Waits
+    /// `locked_until` = now + `lease_ms` (database clock), `claim_id` (hex
+    /// digits), nothing saved but the claim id. `Ok(false)` when a row
+    /// already holds the scope. Waits
     /// for another claimer's uncommitted row at most about
     /// `claim.lock_wait`.
     fn lease_claim(
@@ -898,6 +911,7 @@ type UnresolvedRow = (
     Option<String>,
     Option<String>,
     Option<i64>,
+    i64,
 );
 
 fn unresolved_from_row(row: UnresolvedRow) -> Result<UnresolvedRecord, sqlx::Error> {
@@ -913,6 +927,7 @@ fn unresolved_from_row(row: UnresolvedRow) -> Result<UnresolvedRecord, sqlx::Err
         recovery_point,
         claim_id,
         locked_until,
+        parks,
     ) = row;
     Ok(UnresolvedRecord {
         principal,
@@ -926,6 +941,7 @@ fn unresolved_from_row(row: UnresolvedRow) -> Result<UnresolvedRecord, sqlx::Err
         recovery_point,
         claim_id,
         locked_until,
+        parks,
     })
 }
 

@@ -336,6 +336,7 @@ const DIALECT: Dialect = Dialect {
     blob: x_literal,
     read_key: |column| format!("CONVERT({column} USING utf8mb4)"),
     now: now_ms!(),
+    parks: "CAST(parks AS SIGNED)",
 };
 
 /// The longest wait of a lease statement on another writer's row lock,

@@ -381,6 +381,7 @@ const DIALECT: Dialect = Dialect {
     blob: bytea,
     read_key: |column| column.to_string(),
     now: "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT",
+    parks: "parks::INT8",
 };
 
 /// A lease statement whose row-lock wait is bounded: the statement runs in

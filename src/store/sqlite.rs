@@ -274,6 +274,7 @@ const DIALECT: Dialect = Dialect {
     blob: x_literal,
     read_key: |column| column.to_string(),
     now: now_ms!(),
+    parks: "parks",
 };
 
 /// Runs one literal statement on the pool; the rows it changed.

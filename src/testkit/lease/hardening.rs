@@ -334,7 +334,9 @@ pub async fn lease_operator_verdict_during_a_completer_pass_is_not_dropped<DB: C
     match verdict {
         Ok(()) => {}
         Err(ResolveError::Held { .. }) => {
-            // Said why; given again once the pass let go, it wins.
+            // Said why; given again on a new listing once the pass let go
+            // (it parked the record again), it wins.
+            let listed = reconciler.unresolved(10).await.expect("list");
             reconciler
                 .resolve(&listed[0], Resolution::Succeeded(answer(201, r#"{"v":1}"#)))
                 .await
@@ -659,4 +661,101 @@ pub async fn lease_step_and_point_names_are_validated<DB: ConformanceDb>(h: Harn
     let seen = seen.lock().expect("lock").clone();
     assert_eq!(seen, vec!["invalid"; 6], "{seen:?}");
     assert_eq!(provider.posts(), 0);
+}
+
+/// Case (review): an operator's verdict given on a listing that a completer
+/// pass has since acted on (it found the charge absent, ran the step, and
+/// parked the record again) is refused as changed, never recorded over the
+/// charge the pass made.
+pub async fn lease_verdict_on_a_record_changed_since_its_listing_is_refused<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let lease = mode(Duration::from_secs(30))
+        .with_step_timeout(Duration::from_secs(1))
+        .expect("a usable timeout");
+    let app = h.pay_app(lease, WAIT).await;
+    let provider = Arc::clone(&app.state.provider);
+    provider.fault(Fault::FailBefore);
+    provider.lookup_down(true);
+    let a = send(&app.router, payment("old-1", PAY)).await;
+    assert_eq!(a.problem(), "reconciling", "{a:?}");
+    let reconciler = Reconciler::new(h.pool.clone());
+    let listed = reconciler.unresolved(10).await.expect("list");
+    assert_eq!(listed.len(), 1);
+    let step = crate::lease::StepKey::of(&listed[0], "charge").expect("a claim id");
+    assert!(
+        !provider.has_charge(&step),
+        "the operator checked: no charge"
+    );
+    // A completer pass: the look-up is back and proves the charge absent,
+    // so the step runs; its answer is slow, and the look-up fails again.
+    provider.lookup_down(false);
+    provider.fault(Fault::ChargeThenHang(Duration::from_secs(3)));
+    let watcher = {
+        let provider = Arc::clone(&provider);
+        tokio::spawn(async move {
+            while provider.posts() < 2 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            provider.lookup_down(true);
+        })
+    };
+    let pass = app.completer(&h).run_once().await.expect("pass");
+    watcher.abort();
+    assert_eq!(pass.parked, 1, "{pass:?}");
+    assert!(provider.has_charge(&step), "the pass charged");
+    let verdict = reconciler
+        .resolve(
+            &listed[0],
+            Resolution::Failed(answer(402, r#"{"declined":true}"#)),
+        )
+        .await;
+    assert!(
+        matches!(verdict, Err(ResolveError::Changed { .. })),
+        "a verdict on the old listing: {verdict:?}; FAILED_FINAL rows: {}",
+        h.ledger_with("FAILED_FINAL").await
+    );
+    assert_eq!(h.ledger_with("NEEDS_RECONCILIATION").await, 1);
+}
+
+/// Case (review): a step still inside its timeout is not listed as
+/// stranded, even when its renewals are held up: a step's lease covers its
+/// timeout, so an operator never settles a call that may still land.
+pub async fn lease_step_within_its_timeout_is_not_listed_as_stranded<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let lease = mode(Duration::from_millis(300))
+        .with_step_timeout(Duration::from_secs(3))
+        .expect("a usable timeout");
+    let app = h.pay_app(lease, WAIT).await;
+    app.state
+        .provider
+        .fault(Fault::ChargeThenHang(Duration::from_millis(1500)));
+    let request = {
+        let router = app.router.clone();
+        tokio::spawn(async move { send(&router, payment("slow-2", PAY)).await })
+    };
+    while app.state.provider.posts() < 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Renewals are held up by a lock on the row.
+    let mut holder = h.pool.begin().await.expect("begin");
+    DB::exec_on(
+        &mut holder,
+        "UPDATE idempotency_records SET generation = generation",
+    )
+    .await
+    .expect("lock the row");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let listed = Reconciler::new(h.pool.clone())
+        .unresolved(10)
+        .await
+        .expect("list");
+    holder.rollback().await.expect("let go");
+    assert!(
+        listed.is_empty(),
+        "a call inside its timeout was listed for a verdict: {listed:?}"
+    );
+    let r = request.await.expect("no panic");
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
 }

@@ -148,8 +148,10 @@ pub async fn lease_completer_is_not_starved_by_unregistered_operations<DB: Confo
     assert_eq!(completed, 1, "the POST /payments record was never reached");
 }
 
-/// Case: an operator's resolution of a parked record must not be refused just
-/// because a completer pass re-took (and re-parked) it meanwhile.
+/// Case: an operator's resolution of a parked record that a completer pass
+/// re-took (and re-parked) meanwhile is never refused as "resolved by
+/// someone else": it says the record changed, and given on a new listing it
+/// wins.
 pub async fn lease_completer_pass_does_not_void_an_operator_resolution<DB: ConformanceDb>(
     h: Harness<DB>,
 ) {
@@ -176,7 +178,15 @@ pub async fn lease_completer_pass_does_not_void_an_operator_resolution<DB: Confo
         .body(bytes::Bytes::from_static(b"{}"))
         .unwrap();
     let verdict = reconciler
-        .resolve(&parked[0], Resolution::Succeeded(answer))
+        .resolve(&parked[0], Resolution::Succeeded(answer.clone()))
+        .await;
+    assert!(
+        matches!(verdict, Err(crate::ResolveError::Changed { .. })),
+        "{verdict:?}: the pass acted on the record since the listing"
+    );
+    let listed = reconciler.unresolved(10).await.expect("list");
+    let verdict = reconciler
+        .resolve(&listed[0], Resolution::Succeeded(answer))
         .await;
     assert!(
         verdict.is_ok(),
