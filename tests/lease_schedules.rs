@@ -22,7 +22,7 @@
 //!
 //! The same seed draws the same schedule; a failing seed is printed with
 //! its schedule. `cargo test` runs a fixed budget per store
-//! (`LEASE_SCHEDULES`, default 8); `LEASE_SCHEDULES=500` runs more, and
+//! (`LEASE_SCHEDULES`, default 24: about two minutes on two cores); `LEASE_SCHEDULES=500` runs more, and
 //! `LEASE_SEED=n` runs one.
 
 use std::sync::atomic::Ordering;
@@ -35,8 +35,8 @@ use tower_idempotency::testkit::lease::{Fault, PayApp, payment};
 use tower_idempotency::testkit::{Answer, ConformanceDb, Harness, send};
 use tower_idempotency::{Reconciler, Resolution, Sweeper};
 
-const KEYS: usize = 3;
-const EVENTS: usize = 14;
+const KEYS: usize = 2;
+const EVENTS: usize = 16;
 const LEASE: Duration = Duration::from_millis(300);
 
 /// A small seeded generator (xorshift64*): the schedule is a function of
@@ -64,8 +64,10 @@ impl Rng {
 enum Event {
     /// A client attempt for a key, dropped after `cut_ms` when set.
     Send { key: usize, cut_ms: Option<u64> },
-    /// The next execution pauses this long before its first phase.
-    Stall { ms: u64 },
+    /// A client attempt for a key whose execution first pauses this long
+    /// with no ledger write, past the lease (a stale owner that wakes
+    /// later).
+    Stall { key: usize, ms: u64 },
     /// The provider's next charge.
     Fault(Fault),
     /// The look-up goes down (`true`) or comes back.
@@ -91,25 +93,26 @@ fn draw(seed: u64) -> Schedule {
     let pause_after_charge = std::array::from_fn(|_| rng.below(3) == 0);
     let events = (0..EVENTS)
         .map(|_| match rng.below(20) {
-            0..=6 => Event::Send {
+            0..=4 => Event::Send {
                 key: rng.below(KEYS as u64) as usize,
                 cut_ms: (rng.below(2) == 0).then(|| rng.below(700)),
             },
-            7 => Event::Stall {
-                ms: 200 + rng.below(600),
+            5..=7 => Event::Stall {
+                key: rng.below(KEYS as u64) as usize,
+                ms: 300 + rng.below(1000),
             },
-            8..=10 => Event::Fault(match rng.below(6) {
+            8..=10 => Event::Fault(match rng.below(7) {
                 0 => Fault::FailBefore,
                 1 => Fault::ChargeThenDrop,
-                2 => Fault::ChargeThenHang(Duration::from_millis(100 + rng.below(600))),
-                3 => Fault::Refused,
-                4 => Fault::Decline,
+                2 | 3 => Fault::ChargeThenHang(Duration::from_millis(100 + rng.below(900))),
+                4 => Fault::Refused,
+                5 => Fault::Decline,
                 _ => Fault::ChargeThenHang(Duration::from_millis(50)),
             }),
-            11 => Event::LookupDown(rng.below(2) == 0),
-            12 | 13 => Event::Complete(rng.below(2) as usize),
-            14 => Event::Operator,
-            15 => Event::Sweep,
+            11 => Event::LookupDown(rng.below(3) == 0),
+            12..=14 => Event::Complete(rng.below(2) as usize),
+            15 => Event::Operator,
+            16 => Event::Sweep,
             _ => Event::Sleep { ms: rng.below(500) },
         })
         .collect();
@@ -196,7 +199,10 @@ async fn run<DB: ConformanceDb>(s: &Schedule) -> Result<(), String> {
     for event in &s.events {
         match *event {
             Event::Send { key, cut_ms } => attempts.push(spawn_send(&app, s, key, cut_ms)),
-            Event::Stall { ms } => app.state.pause_next_ms.store(ms, Ordering::SeqCst),
+            Event::Stall { key, ms } => {
+                app.state.pause_next_ms.store(ms, Ordering::SeqCst);
+                attempts.push(spawn_send(&app, s, key, None));
+            }
             Event::Fault(f) => app.state.provider.fault(f),
             Event::LookupDown(down) => app.state.provider.lookup_down(down),
             Event::Complete(i) => {
@@ -338,7 +344,7 @@ fn seeds() -> Vec<u64> {
     let n = std::env::var("LEASE_SCHEDULES")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(8);
+        .unwrap_or(24);
     (1..=n).collect()
 }
 
