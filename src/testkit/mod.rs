@@ -543,7 +543,7 @@ macro_rules! conformance_suite {
             lease_settled_answer_is_replayable_for_the_full_retention,
             lease_parked_records_back_off_and_do_not_starve_the_completer,
             lease_undecodable_saved_data_is_parked_not_retaken,
-            lease_takeover_cut_after_its_commit_leaves_no_ownerless_lease,
+            lease_takeover_nobody_waits_for_ends_its_lease,
             lease_call_provably_not_sent_ends_the_lease_without_parking,
             lease_blocked_renewal_does_not_freeze_the_step_timeout,
             lease_step_and_point_names_are_validated,

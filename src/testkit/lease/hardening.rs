@@ -477,15 +477,12 @@ pub async fn lease_undecodable_saved_data_is_parked_not_retaken<DB: ConformanceD
     assert_eq!(r.problem(), "reconciling", "{r:?}");
 }
 
-/// Case (point 7): a takeover whose statement outlived the request's wait (it
-/// committed after the request gave up) leaves no lease without an owner:
-/// the next retry takes the record over at once.
-pub async fn lease_takeover_cut_after_its_commit_leaves_no_ownerless_lease<DB: ConformanceDb>(
-    h: Harness<DB>,
-) {
-    let app = h
-        .pay_app(mode(Duration::from_secs(3)), Duration::from_millis(300))
-        .await;
+/// Case (point 7): a takeover whose statement wins after its caller
+/// stopped waiting (the row was locked past the caller's wait) ends the
+/// lease it won: no live lease is left without an owner.
+pub async fn lease_takeover_nobody_waits_for_ends_its_lease<DB: ConformanceDb>(h: Harness<DB>) {
+    use crate::store::{OwnedScope, Owning, Scope, spawn_owning};
+    let app = h.pay_app(mode(Duration::from_secs(3)), WAIT).await;
     app.state
         .provider
         .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
@@ -495,7 +492,13 @@ pub async fn lease_takeover_cut_after_its_commit_leaves_no_ownerless_lease<DB: C
         Duration::from_millis(400),
     )
     .await;
-    // Another writer holds the row: the retry's takeover waits on it.
+    let seen = h
+        .record("payer-1", "POST /payments", "cut-1")
+        .await
+        .and_then(|r| r.lease)
+        .expect("a lapsed lease");
+    assert!(!seen.live);
+    // Another writer holds the row past the takeover's wait.
     let mut holder = h.pool.begin().await.expect("begin");
     DB::exec_on(
         &mut holder,
@@ -503,17 +506,31 @@ pub async fn lease_takeover_cut_after_its_commit_leaves_no_ownerless_lease<DB: C
     )
     .await
     .expect("lock the row");
-    let r1 = send(&app.router, payment("cut-1", PAY)).await;
-    assert_ne!(r1.status, StatusCode::CREATED, "{r1:?}");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let scope = Scope {
+        principal: "payer-1",
+        operation: "POST /payments",
+        key: "cut-1",
+    };
+    let owning = Owning::TakeOver {
+        scope: OwnedScope::new(&scope),
+        generation: seen.generation,
+        claim_id: seen.claim_id.clone(),
+        lease_ms: 60_000,
+        parked: false,
+    };
+    let waited = spawn_owning(h.pool.clone(), owning, Duration::from_millis(100)).await;
+    assert!(waited.is_err(), "the caller stopped waiting: {waited:?}");
     holder.commit().await.expect("let go");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let r2 = send(&app.router, payment("cut-1", PAY)).await;
-    assert_eq!(
-        r2.status,
-        StatusCode::CREATED,
-        "an ownerless lease held the key: {r2:?} (first {r1:?})"
-    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let now = h
+        .record("payer-1", "POST /payments", "cut-1")
+        .await
+        .and_then(|r| r.lease)
+        .expect("the lease row");
+    assert_eq!(now.generation, seen.generation + 1, "the takeover landed");
+    assert!(!now.live, "a live lease nobody owns: {now:?}");
+    let r = send(&app.router, payment("cut-1", PAY)).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{r:?}");
     assert_eq!(app.state.provider.charges(), 1);
 }
 
