@@ -570,16 +570,8 @@ async fn decline_is_final_and_replayed<DB: TestDb>() {
 /// the client's retry then runs afresh (generation 1) and charges once.
 /// SQLite has no lock that holds back phase 1 and not the claim: skipped.
 async fn a_crash_before_phase_1_leaves_a_bare_claim_the_completer_deletes<DB: TestDb>() {
-    let hold_sql = match DB::LABEL {
-        "postgres" => "LOCK TABLE payments IN EXCLUSIVE MODE",
-        "mysql" => "SELECT id FROM payments FOR UPDATE",
-        _ => {
-            println!(
-                "[{}] a0) skipped: no lock holds back phase 1 alone",
-                DB::LABEL
-            );
-            return;
-        }
+    let Some(hold_sql) = phase_1_lock::<DB>("a0") else {
+        return;
     };
     let flags = Flags {
         lease_ms: 1000,
@@ -617,6 +609,23 @@ async fn a_crash_before_phase_1_leaves_a_bare_claim_the_completer_deletes<DB: Te
         .judge_captured("a0) crash before phase 1, retry", &s, &retry)
         .await;
     assert_eq!(counts.generation, 1, "a fresh claim: {counts:?}");
+}
+
+/// A statement that holds back phase 1 alone (its insert into `payments`)
+/// while it runs in a transaction; `None` where the store has none (SQLite
+/// has one write lock for everything), and the case is skipped.
+fn phase_1_lock<DB: TestDb>(case: &str) -> Option<&'static str> {
+    match DB::LABEL {
+        "postgres" => Some("LOCK TABLE payments IN EXCLUSIVE MODE"),
+        "mysql" => Some("SELECT id FROM payments FOR UPDATE"),
+        _ => {
+            println!(
+                "[{}] {case}) skipped: no lock holds back phase 1 alone",
+                DB::LABEL
+            );
+            None
+        }
+    }
 }
 
 /// a) A crash after phase 1 and after the step was noted pending, while
@@ -1082,16 +1091,8 @@ async fn sigterm_lets_the_payment_in_progress_finish<DB: TestDb>() {
 /// claim), so it never charges under a step key of its own. One charge,
 /// one payment row.
 async fn j_stale_owner_of_a_deleted_claim_charges_nothing<DB: TestDb>() {
-    let hold_sql = match DB::LABEL {
-        "postgres" => "LOCK TABLE payments IN EXCLUSIVE MODE",
-        "mysql" => "SELECT id FROM payments FOR UPDATE",
-        _ => {
-            println!(
-                "[{}] j) skipped: no lock holds back phase 1 alone",
-                DB::LABEL
-            );
-            return;
-        }
+    let Some(hold_sql) = phase_1_lock::<DB>("j") else {
+        return;
     };
     let flags = Flags {
         lease_ms: 1000,

@@ -66,6 +66,19 @@ async fn abandon(router: &Router, req: http::Request<axum::body::Body>, after: D
     tokio::time::sleep(Duration::from_millis(200)).await;
 }
 
+/// Holds every ledger row's write lock (SQLite: the database's) until the
+/// transaction returned ends, as a writer that stalls would.
+async fn lock_ledger<DB: ConformanceDb>(h: &Harness<DB>) -> sqlx::Transaction<'static, DB> {
+    let mut holder = h.pool.begin().await.expect("begin");
+    DB::exec_on(
+        &mut holder,
+        "UPDATE idempotency_records SET generation = generation",
+    )
+    .await
+    .expect("lock the rows");
+    holder
+}
+
 /// A handler that charges first, with no phase before its step.
 async fn charge_first<DB: ConformanceDb>(
     State(st): State<PayState<DB>>,
@@ -499,13 +512,7 @@ pub async fn lease_takeover_nobody_waits_for_ends_its_lease<DB: ConformanceDb>(h
         .expect("a lapsed lease");
     assert!(!seen.live);
     // Another writer holds the row past the takeover's wait.
-    let mut holder = h.pool.begin().await.expect("begin");
-    DB::exec_on(
-        &mut holder,
-        "UPDATE idempotency_records SET generation = generation",
-    )
-    .await
-    .expect("lock the row");
+    let holder = lock_ledger(&h).await;
     let scope = Scope {
         principal: "payer-1",
         operation: "POST /payments",
@@ -616,13 +623,7 @@ pub async fn lease_blocked_renewal_does_not_freeze_the_step_timeout<DB: Conforma
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
-    let mut holder = h.pool.begin().await.expect("begin");
-    DB::exec_on(
-        &mut holder,
-        "UPDATE idempotency_records SET generation = generation",
-    )
-    .await
-    .expect("lock the row");
+    let holder = lock_ledger(&h).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     holder.rollback().await.expect("let go");
     let r = request.await.expect("no panic");
@@ -756,13 +757,7 @@ pub async fn lease_step_within_its_timeout_is_not_listed_as_stranded<DB: Conform
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // Renewals are held up by a lock on the row.
-    let mut holder = h.pool.begin().await.expect("begin");
-    DB::exec_on(
-        &mut holder,
-        "UPDATE idempotency_records SET generation = generation",
-    )
-    .await
-    .expect("lock the row");
+    let holder = lock_ledger(&h).await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     let listed = Reconciler::new(h.pool.clone())
         .unresolved(10)
