@@ -158,6 +158,10 @@ pub enum Processed<T> {
 pub enum ConsumeError<E> {
     /// The handler failed: its writes were rolled back.
     Handler(E),
+    /// The inner service of a [`ConsumeService`] was not ready (its
+    /// `poll_ready` failed): no handler ran and nothing was claimed.
+    /// Redeliver; it never counts towards poison.
+    NotReady(E),
     /// The id was processed before with a different payload: a producer
     /// bug. Nothing was applied; redelivery cannot fix it (decide, then
     /// acknowledge or dead-letter it).
@@ -195,10 +199,12 @@ impl<E> ConsumeError<E> {
     }
 
     /// Whether the handler itself failed ([`Handler`](Self::Handler), or
-    /// [`TransactionHeld`](Self::TransactionHeld)): everything was rolled
-    /// back, and a failure that repeats delivery after delivery may be
-    /// given up on as poison. `false` for everything else, in particular
-    /// [`InFlight`](Self::InFlight) and [`Store`](Self::Store): the message
+    /// [`TransactionHeld`](Self::TransactionHeld): nothing of it is
+    /// committed by the layer, though a held transaction stays open until
+    /// the handle the handler kept is dropped): a failure that repeats
+    /// delivery after delivery may be given up on as poison. `false` for everything else, in particular
+    /// [`InFlight`](Self::InFlight), [`Store`](Self::Store) and
+    /// [`NotReady`](Self::NotReady) (no handler ran): the message
     /// was not applied and may yet be, so it must be redelivered however
     /// often (with backoff), never counted towards poison. (A handler
     /// error that wraps a transient store error is the handler's to tell
@@ -212,6 +218,7 @@ impl<E: std::fmt::Display> std::fmt::Display for ConsumeError<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Handler(e) => write!(f, "the handler failed: {e}"),
+            Self::NotReady(e) => write!(f, "the handler's service was not ready: {e}"),
             Self::PayloadMismatch { message_id } => write!(
                 f,
                 "message {message_id:?} was processed before with a different payload"
@@ -533,7 +540,7 @@ where
         &mut self,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(ConsumeError::Handler)
+        self.inner.poll_ready(cx).map_err(ConsumeError::NotReady)
     }
 
     fn call(&mut self, message: Message) -> Self::Future {
@@ -597,6 +604,36 @@ mod tests {
         ] {
             assert!(!e.is_handler_failure(), "{e:?}");
         }
+    }
+
+    /// An inner service that is never ready (a dead `Buffer` worker, say):
+    /// no message ran, so nothing may count towards poison.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn a_service_that_is_not_ready_ran_no_handler() {
+        use std::task::{Context, Poll};
+        #[derive(Clone)]
+        struct Broken;
+        impl tower_service::Service<(crate::Tx<sqlx::Sqlite>, super::Message)> for Broken {
+            type Response = ();
+            type Error = &'static str;
+            type Future = std::future::Ready<Result<(), &'static str>>;
+            fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+                Poll::Ready(Err("worker gone"))
+            }
+            fn call(&mut self, _: (crate::Tx<sqlx::Sqlite>, super::Message)) -> Self::Future {
+                std::future::ready(Ok(()))
+            }
+        }
+        let pool = sqlx::sqlite::SqlitePoolOptions::new()
+            .connect_lazy("sqlite::memory:")
+            .expect("a lazy pool");
+        let mut service = super::Consumer::new(pool, "stock").service(Broken);
+        let ready =
+            std::future::poll_fn(|cx| tower_service::Service::poll_ready(&mut service, cx)).await;
+        let e = ready.expect_err("not ready");
+        assert!(!e.is_handler_failure(), "{e:?}");
+        assert!(e.redeliver(), "{e:?}");
     }
 
     #[test]

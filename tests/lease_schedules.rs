@@ -16,15 +16,21 @@
 //!   payment, and the business rows agree (one order per payment at most,
 //!   one captured unit per success the handler recorded); a recorded
 //!   decline has no charge;
-//! - nothing unsettled is invisible: every charge is recorded as a success,
-//!   or its record is in the operator's listing, and so is every row left
-//!   `PROCESSING` or parked.
+//! - nothing unsettled is invisible: every parked record, and every lapsed
+//!   lease with a step pending, is in the operator's listing as an operator
+//!   sees it (stranded after the default hour); every other lapsed lease,
+//!   and every charge not recorded as a success, is listed as stranded; no
+//!   lease is still live once every attempt ended.
+//!
+//! Recorded answers never change, so they are checked when seen: before
+//! each sweep (which drops them) and at the end.
 //!
 //! The same seed draws the same schedule; a failing seed is printed with
 //! its schedule. `cargo test` runs a fixed budget per store
 //! (`LEASE_SCHEDULES`, default 24: about two minutes on two cores); `LEASE_SCHEDULES=500` runs more, and
 //! `LEASE_SEED=n` runs one.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
@@ -195,6 +201,7 @@ async fn run<DB: ConformanceDb>(s: &Schedule) -> Result<(), String> {
     let app = h.pay_app(mode, Duration::from_millis(200)).await;
     let completers = [app.completer(&h), app.completer(&h)];
     let sweeper = Sweeper::new(h.pool.clone());
+    let mut seen = Seen::default();
     let mut attempts = Vec::new();
     for event in &s.events {
         match *event {
@@ -212,6 +219,7 @@ async fn run<DB: ConformanceDb>(s: &Schedule) -> Result<(), String> {
             // As if the retention had run out: terminal rows become
             // tombstones (kept, so their keys answer 410).
             Event::Sweep => {
+                check_settled(&h, &app, &mut seen).await?;
                 let later = SystemTime::now() + Duration::from_secs(2 * 86_400);
                 sweeper.sweep_at(later).await.map_err(|e| e.to_string())?;
             }
@@ -235,26 +243,102 @@ async fn run<DB: ConformanceDb>(s: &Schedule) -> Result<(), String> {
         let (k, body) = request(s, key);
         let _ = send(&app.router, payment(&k, &body)).await;
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    check(&h, &app).await
+    // Detached work (a takeover nobody waited for ends its lease) settles.
+    tokio::time::sleep(LEASE * 2).await;
+    check(&h, &app, &mut seen).await
 }
 
-async fn check<DB: ConformanceDb>(h: &Harness<DB>, app: &PayApp<DB>) -> Result<(), String> {
+/// What the schedule saw recorded: a recorded answer never changes, so it
+/// is checked when seen (before a sweep drops it, and at the end).
+#[derive(Default)]
+struct Seen {
+    /// Keys whose success the handler recorded (its final phase captured).
+    handler_successes: HashSet<usize>,
+    /// Keys recorded as a failure.
+    failures: HashSet<usize>,
+}
+
+/// The provider's charge for `key`, if any.
+fn charge_of(charged: &HashMap<String, i64>, key: usize) -> Option<String> {
+    charged
+        .iter()
+        .find(|(_, a)| **a == amount(key))
+        .map(|(id, _)| id.clone())
+}
+
+/// Checks every settled answer against the provider's charges.
+async fn check_settled<DB: ConformanceDb>(
+    h: &Harness<DB>,
+    app: &PayApp<DB>,
+    seen: &mut Seen,
+) -> Result<(), String> {
     let charged = app.state.provider.charged();
     for key in 0..KEYS {
+        let Some(r) = h
+            .record("payer-1", "POST /payments", &format!("sched-{key}"))
+            .await
+        else {
+            continue;
+        };
+        let body =
+            String::from_utf8_lossy(r.response_body.as_deref().unwrap_or_default()).into_owned();
+        let charge = charge_of(&charged, key);
+        match r.status {
+            RecordStatus::Succeeded if body.contains("\"operator\":true") => {
+                if charge.is_none() {
+                    return Err(format!("key {key}: the operator's success has no charge"));
+                }
+            }
+            RecordStatus::Succeeded => match &charge {
+                Some(id) if body.contains(id.as_str()) => {
+                    seen.handler_successes.insert(key);
+                }
+                _ => {
+                    return Err(format!(
+                        "key {key}: recorded {body} but the provider holds {charge:?}"
+                    ));
+                }
+            },
+            RecordStatus::FailedFinal => {
+                seen.failures.insert(key);
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+async fn check<DB: ConformanceDb>(
+    h: &Harness<DB>,
+    app: &PayApp<DB>,
+    seen: &mut Seen,
+) -> Result<(), String> {
+    check_settled(h, app, seen).await?;
+    let charged = app.state.provider.charged();
+    // The operator's listing as an operator sees it (stranded after the
+    // default hour: only parked records and lapsed leases with a step
+    // pending), and with every lapsed lease.
+    let default = Reconciler::new(h.pool.clone())
+        .unresolved(100)
+        .await
+        .map_err(|e| e.to_string())?;
+    let every = Reconciler::new(h.pool.clone())
+        .with_stranded_after(Duration::ZERO)
+        .unresolved(100)
+        .await
+        .map_err(|e| e.to_string())?;
+    for key in 0..KEYS {
+        let k = format!("sched-{key}");
         let n = charged.values().filter(|a| **a == amount(key)).count();
         if n > 1 {
             return Err(format!("key {key} was charged {n} times: {charged:?}"));
         }
-    }
-    let reconciler = Reconciler::new(h.pool.clone()).with_stranded_after(Duration::ZERO);
-    let listed = reconciler
-        .unresolved(100)
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut handler_successes = 0;
-    for key in 0..KEYS {
-        let k = format!("sched-{key}");
+        let charge = charge_of(&charged, key);
+        if charge.is_some() && seen.failures.contains(&key) {
+            return Err(format!(
+                "key {key}: recorded a failure, yet charged {charge:?}"
+            ));
+        }
         let orders = count(
             h,
             format!("SELECT COUNT(*) FROM orders WHERE amount = {}", amount(key)),
@@ -263,71 +347,59 @@ async fn check<DB: ConformanceDb>(h: &Harness<DB>, app: &PayApp<DB>) -> Result<(
         if orders > 1 {
             return Err(format!("key {key}: {orders} orders"));
         }
-        let record = h.record("payer-1", "POST /payments", &k).await;
-        let charge = charged
-            .iter()
-            .find(|(_, a)| **a == amount(key))
-            .map(|(id, _)| id.clone());
-        let listed_here = listed.iter().any(|r| r.key == k);
-        match record {
-            None => {
-                if let Some(id) = &charge {
+        let in_default = default.iter().any(|r| r.key == k);
+        let in_every = every.iter().any(|r| r.key == k);
+        let Some(r) = h.record("payer-1", "POST /payments", &k).await else {
+            if let Some(id) = &charge {
+                return Err(format!(
+                    "key {key}: charge {id} taken, and no record at all"
+                ));
+            }
+            continue;
+        };
+        let lease = r.lease.clone();
+        match r.status {
+            RecordStatus::NeedsReconciliation if !in_default => {
+                return Err(format!(
+                    "key {key}: parked and not in the operator's listing"
+                ));
+            }
+            RecordStatus::Processing => {
+                let lease =
+                    lease.ok_or_else(|| format!("key {key}: a PROCESSING row with no lease"))?;
+                if lease.live {
                     return Err(format!(
-                        "key {key}: charge {id} taken, and no record at all"
+                        "key {key}: a lease still live after every attempt ended: {lease:?}"
                     ));
                 }
-            }
-            Some(r) => {
-                let body = String::from_utf8_lossy(r.response_body.as_deref().unwrap_or_default())
-                    .into_owned();
-                match r.status {
-                    RecordStatus::Succeeded if body.contains("\"operator\":true") => {
-                        if charge.is_none() {
-                            return Err(format!("key {key}: the operator's success has no charge"));
-                        }
-                    }
-                    RecordStatus::Succeeded => {
-                        handler_successes += 1;
-                        match &charge {
-                            Some(id) if body.contains(id.as_str()) => {}
-                            _ => {
-                                return Err(format!(
-                                    "key {key}: recorded {body} but the provider holds {charge:?}"
-                                ));
-                            }
-                        }
-                    }
-                    RecordStatus::FailedFinal => {
-                        if let Some(id) = &charge {
-                            return Err(format!(
-                                "key {key}: recorded a failure {body}, yet charged {id}"
-                            ));
-                        }
-                    }
-                    RecordStatus::Processing | RecordStatus::NeedsReconciliation => {
-                        if !listed_here {
-                            return Err(format!(
-                                "key {key}: unsettled ({:?}) and not in the operator's listing",
-                                r.status
-                            ));
-                        }
-                    }
-                    RecordStatus::Expired => {}
+                if lease.pending_step.is_some() && !in_default {
+                    return Err(format!(
+                        "key {key}: lapsed with step {:?} pending, not in the operator's listing",
+                        lease.pending_step
+                    ));
+                }
+                if !in_every {
+                    return Err(format!("key {key}: lapsed and not listed even as stranded"));
                 }
             }
+            RecordStatus::Succeeded | RecordStatus::Expired => {}
+            _ if charge.is_some() && !in_every => {
+                return Err(format!(
+                    "key {key}: charged, {:?}, and not in the operator's listing",
+                    r.status
+                ));
+            }
+            _ => {}
         }
     }
     let captured = h.captured().await;
-    if captured > handler_successes + expired(h).await {
+    if captured > seen.handler_successes.len() as i64 {
         return Err(format!(
-            "{captured} payments captured, {handler_successes} successes recorded"
+            "{captured} payments captured, {} successes recorded",
+            seen.handler_successes.len()
         ));
     }
     Ok(())
-}
-
-async fn expired<DB: ConformanceDb>(h: &Harness<DB>) -> i64 {
-    h.ledger_with("EXPIRED").await
 }
 
 async fn count<DB: ConformanceDb>(h: &Harness<DB>, sql: String) -> i64 {

@@ -6,4 +6,5 @@ UPDATE idempotency_records SET locked_until = 0
     WHERE status = 'NEEDS_RECONCILIATION' AND generation > 0 AND locked_until IS NULL;
 ALTER TABLE idempotency_records
     ADD COLUMN claim_id VARBINARY(64) NULL,
-    ADD COLUMN parks    INT NOT NULL DEFAULT 0;
+    ADD COLUMN parks    INT NOT NULL DEFAULT 0,
+    ADD COLUMN pending_until BIGINT NULL;

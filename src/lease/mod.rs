@@ -301,13 +301,6 @@ impl LeaseMode {
     pub(crate) fn lease_ms(&self) -> i64 {
         crate::expiry::millis(self.lease)
     }
-
-    /// The lease while a step runs: it covers the step's timeout, so a
-    /// call that may still land is never taken over, listed as stranded or
-    /// settled by an operator before it has ended.
-    pub(crate) fn step_lease_ms(&self) -> i64 {
-        crate::expiry::millis(self.lease.max(self.step_timeout))
-    }
 }
 
 impl Default for LeaseMode {

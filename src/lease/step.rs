@@ -290,7 +290,8 @@ impl<DB: Backend> Leased<DB> {
         }
         self.write(&LeaseWrite::Pending {
             step: name,
-            lease_ms: self.inner.mode.step_lease_ms(),
+            lease_ms: self.inner.mode.lease_ms(),
+            step_ms: crate::expiry::millis(self.inner.mode.step_timeout),
         })
         .await?;
         {
@@ -367,8 +368,7 @@ impl<DB: Backend> Leased<DB> {
     }
 
     /// Runs a call under the step timeout, renewing the lease every third
-    /// of it meanwhile (for the step's timeout, at least the lease). A
-    /// renewal runs beside the call, as a task of its own, never in its
+    /// of it meanwhile. A renewal runs beside the call, as a task of its own, never in its
     /// way: the call and its timeout keep running while a renewal waits on
     /// a lock (bounded by the store's lock wait), and a tick while one
     /// still waits starts none, so a step holds at most one connection for
@@ -410,7 +410,7 @@ impl<DB: Backend> Leased<DB> {
         let leased = self.clone();
         tokio::spawn(async move {
             let renew = LeaseWrite::Renew {
-                lease_ms: leased.inner.mode.step_lease_ms(),
+                lease_ms: leased.inner.mode.lease_ms(),
             };
             let inner = &leased.inner;
             match DB::lease_write(&inner.pool, &leased.scope(), leased.fence(), &renew).await {

@@ -58,6 +58,10 @@ pub enum LeaseWrite<'a> {
         step: &'a str,
         /// The lease, milliseconds.
         lease_ms: i64,
+        /// The step's timeout, milliseconds: until then its call may still
+        /// land, so the record is neither listed as stranded nor open to a
+        /// verdict (a takeover is: it runs the step with the same step key).
+        step_ms: i64,
     },
     /// Records a recovery point and the saved data (a JSON object), and
     /// extends the lease; a step's progress also clears its pending mark.
@@ -219,9 +223,18 @@ impl Dialect {
         }
         format!(
             "{} AND generation > 0 AND ((status = 'NEEDS_RECONCILIATION' AND parks = {parks}) OR \
-             (status = 'PROCESSING' AND generation = {} AND locked_until <= {}))",
+             (status = 'PROCESSING' AND generation = {} AND locked_until <= {now} AND {}))",
             self.claimed(scope, fence.claim),
             fence.generation,
+            self.no_call_in_flight(),
+            now = self.now
+        )
+    }
+
+    /// No step's call may still land: none pending, or past its timeout.
+    fn no_call_in_flight(&self) -> String {
+        format!(
+            "(pending_step IS NULL OR pending_until IS NULL OR pending_until <= {})",
             self.now
         )
     }
@@ -310,10 +323,15 @@ impl Dialect {
                 return format!("DELETE FROM idempotency_records WHERE {fence}");
             }
             LeaseWrite::Renew { lease_ms } => format!("locked_until = {} + {lease_ms}", self.now),
-            LeaseWrite::Pending { step, lease_ms } => format!(
-                "pending_step = {}, locked_until = {} + {lease_ms}",
+            LeaseWrite::Pending {
+                step,
+                lease_ms,
+                step_ms,
+            } => format!(
+                "pending_step = {}, locked_until = {now} + {lease_ms}, \
+                 pending_until = {now} + {step_ms}",
                 (self.key)(step),
-                self.now
+                now = self.now
             ),
             LeaseWrite::Progress {
                 point,
@@ -395,7 +413,7 @@ impl Dialect {
              locked_until, {} FROM idempotency_records \
              WHERE status = 'NEEDS_RECONCILIATION' \
              OR (status = 'PROCESSING' AND generation = 0) \
-             OR (status = 'PROCESSING' AND generation > 0 AND locked_until <= {now} \
+             OR (status = 'PROCESSING' AND generation > 0 AND locked_until <= {now} AND {} \
              AND (pending_step IS NOT NULL OR locked_until <= {now} - {stranded_ms})) \
              ORDER BY created_at LIMIT {limit}",
             (self.read_key)("principal_id"),
@@ -405,6 +423,7 @@ impl Dialect {
             (self.read_key)("recovery_point"),
             (self.read_key)("claim_id"),
             self.parks,
+            self.no_call_in_flight(),
             now = self.now,
         )
     }

@@ -411,7 +411,7 @@ impl ConformanceDb for sqlx::Sqlite {
         sqlx::query(
             "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < ?) \
                      INSERT INTO idempotency_records SELECT 'bulk', 'op', 'k' || x, x'00', \
-                     'SUCCEEDED', 201, NULL, 'stored response body', NULL, 0, 1, 0, NULL, NULL, NULL, NULL, NULL, 0 FROM c",
+                     'SUCCEEDED', 201, NULL, 'stored response body', NULL, 0, 1, 0, NULL, NULL, NULL, NULL, NULL, 0, NULL FROM c",
         )
         .bind(i64::from(n))
         .execute(pool)
@@ -508,7 +508,7 @@ impl ConformanceDb for sqlx::MySql {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "INSERT INTO idempotency_records SELECT 'bulk', 'op', CONCAT('k', seq), x'00', \
              'SUCCEEDED', 201, NULL, 'stored response body', NULL, 0, 1, 0, NULL, NULL, NULL, NULL, \
-             NULL, 0 FROM seq_1_to_{n}"
+             NULL, 0, NULL FROM seq_1_to_{n}"
         )))
         .execute(pool)
         .await

@@ -233,7 +233,10 @@ pub async fn lease_final_answer_over_an_unrecovered_pending_step_parks<DB: Confo
 /// lapsed for longer than the configured age; an operator's verdict on it
 /// wins over the stale owner.
 pub async fn lease_stranded_records_are_listed_for_operators<DB: ConformanceDb>(h: Harness<DB>) {
-    let app = h.pay_app(mode(Duration::from_secs(30)), WAIT).await;
+    let lease = mode(Duration::from_secs(30))
+        .with_step_timeout(Duration::from_millis(700))
+        .expect("a usable timeout");
+    let app = h.pay_app(lease, WAIT).await;
     let router = charge_first_app(&h, &app);
     app.state
         .provider
@@ -245,6 +248,8 @@ pub async fn lease_stranded_records_are_listed_for_operators<DB: ConformanceDb>(
     )
     .await;
     let reconciler = Reconciler::new(h.pool.clone());
+    // Listed once its call cannot land any more (the step's timeout).
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let listed = reconciler.unresolved(10).await.expect("list");
     assert_eq!(listed.len(), 1, "a taken charge nobody can see: {listed:?}");
     assert_eq!(listed[0].status, RecordStatus::Processing);
