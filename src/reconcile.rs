@@ -55,7 +55,9 @@ pub enum Resolution {
     /// header given, body), as `SUCCEEDED`.
     Succeeded(Response<Bytes>),
     /// The operation failed for good: retries replay this answer, as
-    /// `FAILED_FINAL`.
+    /// `FAILED_FINAL`. (For a message consumer's record, this and
+    /// `Succeeded` make the message a duplicate: acknowledged, never
+    /// applied again; `Rerun` lets its redelivery run the handler.)
     Failed(Response<Bytes>),
     /// Nothing took effect: the record is deleted and the key's next
     /// request runs the handler again. For a lease-mode record, the pending

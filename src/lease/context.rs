@@ -135,7 +135,9 @@ impl<DB: Backend> Leased<DB> {
         &self.inner.key
     }
 
-    /// The stored operation, such as `POST /payments`.
+    /// The stored operation, such as `POST /payments` (an operation named
+    /// exactly `message`, reserved for consumers, is stored in its
+    /// `sha256:` form).
     pub fn operation(&self) -> &str {
         &self.inner.operation
     }
