@@ -88,9 +88,9 @@ impl<DB: Backend> Completer<DB> {
 
     /// Registers how to resume records of `operation` (as the layer names
     /// it: `POST /payments` for the route's method and path, or the name
-    /// given to `with_operation`, stored as the layer stores it). The function gets the context at the
-    /// record's last recovery point, with no request: everything it needs
-    /// must have been saved by a phase. Its answer is recorded as a
+    /// given to `with_operation`, stored as the layer stores it). The
+    /// function gets the context at the record's last recovery point, with
+    /// no request: everything it needs must have been saved by a phase. Its answer is recorded as a
     /// handler's is. A record whose first attempt died before its first
     /// phase has nothing saved: answer a rejection (such as `422`) and the
     /// claim is deleted, so the client's retry runs afresh. But first look

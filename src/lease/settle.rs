@@ -63,7 +63,9 @@ pub(crate) async fn settle<DB: Backend>(
         let state = leased.state();
         (state.progressed, state.pending.clone())
     };
-    if let (Some(step), false) = (&pending, class == Classification::Transient) {
+    if let Some(step) = &pending
+        && class != Classification::Transient
+    {
         // A step that may have run and was not recovered: nothing final
         // (an answer, a rejection, a deleted claim) may be written over
         // it. Parked, so an operator (or a pass that runs the step) says

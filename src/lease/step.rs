@@ -368,11 +368,11 @@ impl<DB: Backend> Leased<DB> {
     }
 
     /// Runs a call under the step timeout, renewing the lease every third
-    /// of it meanwhile. A renewal runs beside the call, as a task of its own, never in its
-    /// way: the call and its timeout keep running while a renewal waits on
-    /// a lock (bounded by the store's lock wait), and a tick while one
-    /// still waits starts none, so a step holds at most one connection for
-    /// its renewals. A renewal only extends a live lease: one that lands
+    /// of it meanwhile. A renewal runs beside the call, as a task of its
+    /// own, never in its way: the call and its timeout keep running while a
+    /// renewal waits on a lock (bounded by the store's lock wait), and a
+    /// tick while one still waits starts none, so a step holds at most one
+    /// connection for its renewals. A renewal only extends a live lease: one that lands
     /// late, after the attempt ended its lease, changes nothing. A renewal
     /// that matches nothing says nothing either; the attempt's next write
     /// is fenced and tells.
