@@ -166,7 +166,10 @@ fn spawn_send(
 /// succeeded when the charge is there, rerun when it is not.
 async fn operate<DB: ConformanceDb>(h: &Harness<DB>, app: &PayApp<DB>) -> Result<(), String> {
     let reconciler = Reconciler::new(h.pool.clone()).with_stranded_after(LEASE);
-    let listed = reconciler.unresolved(20).await.map_err(|e| e.to_string())?;
+    let listed = reconciler
+        .unresolved(20)
+        .await
+        .map_err(|e| format!("operator's listing: {e}"))?;
     for record in listed {
         let Some(step) = StepKey::of(&record, "charge") else {
             continue;
@@ -202,6 +205,7 @@ async fn run<DB: ConformanceDb>(s: &Schedule) -> Result<(), String> {
     let completers = [app.completer(&h), app.completer(&h)];
     let sweeper = Sweeper::new(h.pool.clone());
     let mut seen = Seen::default();
+    let mut failed_passes = Vec::new();
     let mut attempts = Vec::new();
     for event in &s.events {
         match *event {
@@ -212,16 +216,17 @@ async fn run<DB: ConformanceDb>(s: &Schedule) -> Result<(), String> {
             }
             Event::Fault(f) => app.state.provider.fault(f),
             Event::LookupDown(down) => app.state.provider.lookup_down(down),
-            Event::Complete(i) => {
-                completers[i].run_once().await.map_err(|e| e.to_string())?;
-            }
+            Event::Complete(i) => pass(&completers[i], &mut failed_passes).await,
             Event::Operator => operate(&h, &app).await?,
             // As if the retention had run out: terminal rows become
             // tombstones (kept, so their keys answer 410).
             Event::Sweep => {
                 check_settled(&h, &app, &mut seen).await?;
                 let later = SystemTime::now() + Duration::from_secs(2 * 86_400);
-                sweeper.sweep_at(later).await.map_err(|e| e.to_string())?;
+                sweeper
+                    .sweep_at(later)
+                    .await
+                    .map_err(|e| format!("sweep: {e}"))?;
             }
             Event::Sleep { ms } => tokio::time::sleep(Duration::from_millis(ms)).await,
         }
@@ -237,7 +242,7 @@ async fn run<DB: ConformanceDb>(s: &Schedule) -> Result<(), String> {
     app.state.pause_next_ms.store(0, Ordering::SeqCst);
     tokio::time::sleep(LEASE * 2).await;
     for c in &completers {
-        c.run_once().await.map_err(|e| e.to_string())?;
+        pass(c, &mut failed_passes).await;
     }
     for key in 0..KEYS {
         let (k, body) = request(s, key);
@@ -245,7 +250,21 @@ async fn run<DB: ConformanceDb>(s: &Schedule) -> Result<(), String> {
     }
     // Detached work (a takeover nobody waited for ends its lease) settles.
     tokio::time::sleep(LEASE * 2).await;
-    check(&h, &app, &mut seen).await
+    check(&h, &app, &mut seen)
+        .await
+        .map_err(|why| format!("{why} (failed completer passes: {failed_passes:?})"))
+}
+
+/// One completer pass. A pass that fails (a lock wait ran out, say) is
+/// what `Completer::spawn` retries at its next tick: noted, not fatal; the
+/// invariants decide.
+async fn pass<DB: ConformanceDb>(
+    c: &tower_idempotency::lease::Completer<DB>,
+    failed: &mut Vec<String>,
+) {
+    if let Err(e) = c.run_once().await {
+        failed.push(e.to_string());
+    }
 }
 
 /// What the schedule saw recorded: a recorded answer never changes, so it
