@@ -1,10 +1,9 @@
-//! The layer's settings, below the request path and lease mode that read
-//! them, and the error for a setting that cannot work.
+//! The layer's settings, below the request path that reads them.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{HeaderName, Method, StatusCode, header};
+use http::{HeaderName, Method, StatusCode};
 
 use crate::fingerprint::Normalizer;
 use crate::key::KeyMode;
@@ -71,71 +70,6 @@ impl std::fmt::Debug for Config {
 impl Config {
     pub(crate) fn guards(&self, method: &Method) -> bool {
         self.methods.contains(method)
-    }
-}
-
-/// A configuration value that cannot work.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The status for a key reused with a different request must be `409` or `422`.
-    MismatchStatus(StatusCode),
-    /// A limit, wait, count or retention was zero.
-    Zero(&'static str),
-    /// A duration was longer than the longest the store's clock arithmetic
-    /// (and the protocol) can use.
-    TooLong {
-        /// The setting.
-        what: &'static str,
-        /// The longest accepted.
-        max: Duration,
-    },
-}
-
-impl std::fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::MismatchStatus(s) => write!(f, "mismatch status must be 409 or 422, not {s}"),
-            Self::Zero(what) => write!(f, "{what} must be greater than zero"),
-            Self::TooLong { what, max } => write!(f, "{what} must be at most {max:?}"),
-        }
-    }
-}
-
-impl std::error::Error for ConfigError {}
-
-/// The headers recorded by default: the body's representation and `Location`.
-pub(crate) fn default_recorded_headers() -> Vec<HeaderName> {
-    vec![
-        header::CONTENT_TYPE,
-        header::CONTENT_ENCODING,
-        header::CONTENT_LANGUAGE,
-        header::CONTENT_LOCATION,
-        header::LOCATION,
-    ]
-}
-
-pub(crate) fn nonzero<T: Default + PartialEq>(
-    value: T,
-    what: &'static str,
-) -> Result<T, ConfigError> {
-    if value == T::default() {
-        Err(ConfigError::Zero(what))
-    } else {
-        Ok(value)
-    }
-}
-
-/// `value` when it is at most `max`, else [`ConfigError::TooLong`].
-pub(crate) fn at_most(
-    value: Duration,
-    max: Duration,
-    what: &'static str,
-) -> Result<Duration, ConfigError> {
-    if value > max {
-        Err(ConfigError::TooLong { what, max })
-    } else {
-        Ok(value)
     }
 }
 

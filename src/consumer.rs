@@ -136,9 +136,7 @@ use crate::store::{
 };
 use crate::tx::Tx;
 
-/// The operation of every processed-message row, reserved for consumers:
-/// no HTTP request's row ever has it (see the [module docs](self)).
-pub const MESSAGE_OPERATION: &str = "message";
+pub use crate::scope::MESSAGE_OPERATION;
 
 /// What became of a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]

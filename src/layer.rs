@@ -8,11 +8,13 @@ use http::{HeaderName, Method, StatusCode};
 use sqlx::Pool;
 use tower_layer::Layer;
 
-use crate::config::{Config, ConfigError, MAX_WAIT, at_most, default_recorded_headers, nonzero};
+use crate::config::{Config, MAX_WAIT};
+use crate::config_error::{ConfigError, at_most, nonzero};
 use crate::expiry::DEFAULT_RETENTION;
 use crate::fingerprint::Normalizer;
 use crate::key::KeyMode;
 use crate::lease::LeaseMode;
+use crate::replay::default_recorded_headers;
 use crate::scope::{Principal, principal_from_extensions};
 use crate::service::Idempotency;
 use crate::store::{Backend, IsolationLevel};

@@ -235,6 +235,7 @@ mod classify;
 #[cfg(feature = "client")]
 pub mod client;
 mod config;
+mod config_error;
 pub mod consumer;
 mod expiry;
 mod fingerprint;
@@ -258,7 +259,7 @@ mod tx;
 
 pub use body::IdempotencyBody;
 pub use classify::{Classification, ResourceId};
-pub use config::ConfigError;
+pub use config_error::ConfigError;
 pub use expiry::{
     DEFAULT_RETENTION, DEFAULT_TOMBSTONE_RETENTION, IDEMPOTENCY_KEY_EXPIRES, SweepReport, Sweeper,
 };

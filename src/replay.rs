@@ -82,6 +82,17 @@ fn decode_headers(encoded: &[u8], into: &mut HeaderMap) {
     }
 }
 
+/// The headers recorded by default: the body's representation and `Location`.
+pub(crate) fn default_recorded_headers() -> Vec<HeaderName> {
+    vec![
+        http::header::CONTENT_TYPE,
+        http::header::CONTENT_ENCODING,
+        http::header::CONTENT_LANGUAGE,
+        http::header::CONTENT_LOCATION,
+        http::header::LOCATION,
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

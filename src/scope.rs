@@ -33,8 +33,7 @@
 //! principal can never meet a long principal's hashed form.
 //!
 //! The operation `message` is reserved for message consumers
-//! ([`MESSAGE_OPERATION`](crate::consumer::MESSAGE_OPERATION)): an HTTP
-//! operation named exactly that is stored as its `sha256:` form too, so an
+//! ([`MESSAGE_OPERATION`]): an HTTP operation named exactly that is stored as its `sha256:` form too, so an
 //! HTTP request and a consumer's message never claim each other's row,
 //! whatever a route or an operation is named. (The default operation, a
 //! method and a path, never is `message`.)
@@ -86,6 +85,12 @@ pub(crate) fn default_operation(parts: &Parts) -> String {
 /// Marks a stored value as a hash of the real one.
 const HASHED: &str = "sha256:";
 
+/// The operation of every processed-message row, reserved for message
+/// consumers ([`crate::consumer`]): no HTTP request's row ever has it (an
+/// HTTP operation named exactly `message` is stored in its `sha256:` form;
+/// see the [consumer docs](crate::consumer)).
+pub const MESSAGE_OPERATION: &str = "message";
+
 /// Keeps a scope column within 255 bytes without making two values equal:
 /// long values, and values that look hashed, are stored hashed.
 pub(crate) fn bounded(value: &str) -> Cow<'_, str> {
@@ -101,7 +106,7 @@ pub(crate) fn bounded(value: &str) -> Cow<'_, str> {
 /// hashed, so that no HTTP row ever has the operation of a processed
 /// message. The one place that keeps the two kinds of scope apart.
 pub(crate) fn http_operation(name: &str) -> Cow<'_, str> {
-    if name == crate::consumer::MESSAGE_OPERATION {
+    if name == MESSAGE_OPERATION {
         hashed(name)
     } else {
         bounded(name)
@@ -141,7 +146,7 @@ mod tests {
 
     #[test]
     fn no_http_operation_is_the_consumers() {
-        let message = crate::consumer::MESSAGE_OPERATION;
+        let message = MESSAGE_OPERATION;
         for name in [
             message.to_string(),
             hashed(message).into_owned(),

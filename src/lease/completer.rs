@@ -81,7 +81,7 @@ impl<DB: Backend> Completer<DB> {
             isolation: IsolationLevel::default(),
             batch: 16,
             attempt_timeout: mode.lease.max(mode.step_timeout).saturating_mul(4),
-            recorded_headers: crate::config::default_recorded_headers(),
+            recorded_headers: crate::replay::default_recorded_headers(),
             resumers: HashMap::new(),
         }
     }

@@ -220,7 +220,7 @@
 
 use std::time::Duration;
 
-use crate::config::{ConfigError, at_most};
+use crate::config_error::{ConfigError, at_most};
 
 mod completer;
 mod context;
