@@ -367,12 +367,7 @@ impl<DB: ConformanceDb> PayApp<DB> {
                     }
                     Err(e) => e.into_response(),
                 };
-                let (parts, body) = res.into_parts();
-                let body = http_body_util::BodyExt::collect(body)
-                    .await
-                    .map(|b| b.to_bytes())
-                    .unwrap_or_default();
-                http::Response::from_parts(parts, body)
+                buffered(res).await
             }
         })
     }
@@ -433,4 +428,42 @@ pub fn payment(key: &str, body: &str) -> http::Request<axum::body::Body> {
         .header("idempotency-key", key)
         .body(axum::body::Body::from(body.to_string()))
         .expect("a valid request")
+}
+
+/// The payment body the cases send.
+const PAY: &str = r#"{"amount":5000}"#;
+
+/// Sends `req` and drops it after `after` (the client went away), then lets
+/// the dropped attempt's release land.
+async fn abandon(router: &Router, req: http::Request<axum::body::Body>, after: Duration) {
+    let cut = tokio::time::timeout(after, super::send(router, req)).await;
+    assert!(cut.is_err(), "the attempt was meant to be cut: {cut:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+}
+
+/// The provider charges and hangs; the attempt for `key` is dropped (the
+/// client went away) `after` it began, mid-charge, which ends its lease at
+/// once.
+async fn abandon_mid_charge(router: &Router, provider: &Provider, key: &str, after: Duration) {
+    provider.fault(Fault::ChargeThenHang(Duration::from_secs(5)));
+    abandon(router, payment(key, PAY), after).await;
+}
+
+/// Parks the payment `key`: its charge's answer is lost and the look-up is
+/// down (it stays down).
+async fn park(router: &Router, provider: &Provider, key: &str) {
+    provider.fault(Fault::ChargeThenDrop);
+    provider.lookup_down(true);
+    let a = super::send(router, payment(key, PAY)).await;
+    assert_eq!(a.problem(), "reconciling", "{a:?}");
+}
+
+/// A handler's answer with its body read, as a resume function returns it.
+async fn buffered(res: Response) -> http::Response<bytes::Bytes> {
+    let (parts, body) = res.into_parts();
+    let body = http_body_util::BodyExt::collect(body)
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    http::Response::from_parts(parts, body)
 }

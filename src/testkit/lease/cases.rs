@@ -6,33 +6,19 @@ use std::time::Duration;
 
 use http::StatusCode;
 
-use super::{Fault, payment};
+use super::{Fault, abandon_mid_charge, payment};
 use crate::lease::LeaseMode;
 use crate::testkit::{ConformanceDb, Harness, send};
 use crate::{Reconciler, Resolution};
 
 const PAY: &str = r#"{"amount":5000}"#;
+/// When an attempt dropped mid-charge is cut.
+const CUT: Duration = Duration::from_millis(500);
 const LEASE: Duration = Duration::from_secs(30);
 const WAIT: Duration = Duration::from_secs(2);
 
 async fn generation<DB: ConformanceDb>(h: &Harness<DB>) -> i64 {
     DB::count(&h.pool, "SELECT MAX(generation) FROM idempotency_records").await
-}
-
-/// The provider charges and hangs; the attempt is dropped (the client went
-/// away) mid-charge, which ends its lease at once.
-async fn abandon_mid_charge<DB: ConformanceDb>(app: &super::PayApp<DB>) {
-    app.state
-        .provider
-        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
-    let cut = tokio::time::timeout(
-        Duration::from_millis(500),
-        send(&app.router, payment("pay-1", PAY)),
-    )
-    .await;
-    assert!(cut.is_err(), "the attempt was dropped mid-charge");
-    // Let the dropped attempt's release land.
-    tokio::time::sleep(Duration::from_millis(200)).await;
 }
 
 /// Case: a first payment charges once, commits every phase and replays.
@@ -68,7 +54,7 @@ pub async fn lease_charge_then_dropped_attempt_resumes_without_a_second_charge<
     let app = h
         .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
         .await;
-    abandon_mid_charge(&app).await;
+    abandon_mid_charge(&app.router, &app.state.provider, "pay-1", CUT).await;
     assert_eq!(app.state.provider.charges(), 1);
     let retry = send(&app.router, payment("pay-1", PAY)).await;
     assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
@@ -153,7 +139,7 @@ pub async fn lease_unknown_outcome_parks_until_an_operator_resolves_it<DB: Confo
         .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
         .await;
     app.state.provider.lookup_down(true);
-    abandon_mid_charge(&app).await;
+    abandon_mid_charge(&app.router, &app.state.provider, "pay-1", CUT).await;
     for _ in 0..2 {
         let r = send(&app.router, payment("pay-1", PAY)).await;
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{r:?}");
@@ -189,7 +175,7 @@ pub async fn lease_completer_recovers_a_parked_record<DB: ConformanceDb>(h: Harn
         .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
         .await;
     app.state.provider.lookup_down(true);
-    abandon_mid_charge(&app).await;
+    abandon_mid_charge(&app.router, &app.state.provider, "pay-1", CUT).await;
     let completer = app.completer(&h);
     let pass = completer.run_once().await.expect("pass");
     assert_eq!(pass.parked, 1, "{pass:?}: the look-up is still down");
@@ -335,7 +321,7 @@ pub async fn lease_completer_finishes_an_abandoned_payment<DB: ConformanceDb>(h:
     let app = h
         .pay_app(LeaseMode::new(LEASE).expect("a usable lease"), WAIT)
         .await;
-    abandon_mid_charge(&app).await;
+    abandon_mid_charge(&app.router, &app.state.provider, "pay-1", CUT).await;
     let completer = app.completer(&h);
     let pass = completer.run_once().await.expect("pass");
     assert_eq!(pass.completed, 1, "{pass:?}");

@@ -11,7 +11,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http::StatusCode;
 
-use super::{Charge, Fault, PayApp, PayState, Provider, pay, payment};
+use super::{
+    Charge, Fault, PayApp, PayState, Provider, abandon, abandon_mid_charge, buffered, park, pay,
+    payment,
+};
 use crate::IdempotencyLayer;
 use crate::lease::{Completer, LeaseError, LeaseMode, Leased, Recovered, StepError};
 use crate::reconcile::ResolveError;
@@ -56,14 +59,6 @@ async fn pending<DB: ConformanceDb>(h: &Harness<DB>) -> i64 {
 
 async fn generation<DB: ConformanceDb>(h: &Harness<DB>) -> i64 {
     count(h, "SELECT MAX(generation) FROM idempotency_records").await
-}
-
-/// Sends `req` and drops it after `after` (the client went away).
-async fn abandon(router: &Router, req: http::Request<axum::body::Body>, after: Duration) {
-    let cut = tokio::time::timeout(after, send(router, req)).await;
-    assert!(cut.is_err(), "the attempt was meant to be cut: {cut:?}");
-    // Let the dropped attempt's release land.
-    tokio::time::sleep(Duration::from_millis(200)).await;
 }
 
 /// Holds every ledger row's write lock (SQLite: the database's) until the
@@ -132,12 +127,7 @@ fn charge_first_completer<DB: ConformanceDb>(
                 // Nothing saved: the rule for a bare claim, a rejection.
                 (StatusCode::UNPROCESSABLE_ENTITY, "nothing to resume").into_response()
             };
-            let (parts, body) = res.into_parts();
-            let body = http_body_util::BodyExt::collect(body)
-                .await
-                .map(|b| b.to_bytes())
-                .unwrap_or_default();
-            http::Response::from_parts(parts, body)
+            buffered(res).await
         }
     })
 }
@@ -191,10 +181,13 @@ pub async fn lease_final_answer_over_an_unrecovered_pending_step_parks<DB: Confo
 ) {
     let app = h.pay_app(mode(Duration::from_secs(30)), WAIT).await;
     let router = charge_first_app(&h, &app);
-    app.state
-        .provider
-        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
-    abandon(&router, payment("pend-1", PAY), Duration::from_millis(500)).await;
+    abandon_mid_charge(
+        &router,
+        &app.state.provider,
+        "pend-1",
+        Duration::from_millis(500),
+    )
+    .await;
     assert_eq!(pending(&h).await, 1);
     let pass = charge_first_completer(&h, &app, false)
         .run_once()
@@ -238,12 +231,10 @@ pub async fn lease_stranded_records_are_listed_for_operators<DB: ConformanceDb>(
         .expect("a usable timeout");
     let app = h.pay_app(lease, WAIT).await;
     let router = charge_first_app(&h, &app);
-    app.state
-        .provider
-        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
-    abandon(
+    abandon_mid_charge(
         &router,
-        payment("strand-1", PAY),
+        &app.state.provider,
+        "strand-1",
         Duration::from_millis(500),
     )
     .await;
@@ -331,10 +322,7 @@ pub async fn lease_operator_verdict_during_a_completer_pass_is_not_dropped<DB: C
     h: Harness<DB>,
 ) {
     let app = h.pay_app(mode(Duration::from_secs(30)), WAIT).await;
-    app.state.provider.fault(Fault::ChargeThenDrop);
-    app.state.provider.lookup_down(true);
-    let a = send(&app.router, payment("verdict-1", PAY)).await;
-    assert_eq!(a.problem(), "reconciling", "{a:?}");
+    park(&app.router, &app.state.provider, "verdict-1").await;
     let reconciler = Reconciler::new(h.pool.clone());
     let listed = reconciler.unresolved(10).await.expect("list");
     assert_eq!(listed.len(), 1);
@@ -381,11 +369,8 @@ pub async fn lease_settled_answer_is_replayable_for_the_full_retention<DB: Confo
                 .expect("a retention"),
         )
         .with_state(app.state.clone());
-    app.state.provider.lookup_down(true);
     for key in ["ret-1", "ret-2"] {
-        app.state.provider.fault(Fault::ChargeThenDrop);
-        let r = send(&router, payment(key, PAY)).await;
-        assert_eq!(r.problem(), "reconciling", "{r:?}");
+        park(&router, &app.state.provider, key).await;
     }
     tokio::time::sleep(Duration::from_millis(1800)).await;
     // One recovered by a completer, the other settled by an operator.
@@ -424,12 +409,8 @@ pub async fn lease_parked_records_back_off_and_do_not_starve_the_completer<DB: C
     h: Harness<DB>,
 ) {
     let app = h.pay_app(mode(Duration::from_secs(30)), WAIT).await;
-    app.state.provider.lookup_down(true);
     for i in 0..16 {
-        app.state.provider.fault(Fault::ChargeThenDrop);
-        let key = format!("parked-{i}");
-        let r = send(&app.router, payment(&key, PAY)).await;
-        assert_eq!(r.problem(), "reconciling", "{r:?}");
+        park(&app.router, &app.state.provider, &format!("parked-{i}")).await;
     }
     // An abandoned record that needs only its final phase: charged, then
     // the attempt is dropped during its pause.
@@ -460,12 +441,10 @@ pub async fn lease_undecodable_saved_data_is_parked_not_retaken<DB: ConformanceD
         .with_step_timeout(Duration::from_secs(10))
         .expect("a usable timeout");
     let app = h.pay_app(lease, WAIT).await;
-    app.state
-        .provider
-        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
-    abandon(
+    abandon_mid_charge(
         &app.router,
-        payment("bad-1", PAY),
+        &app.state.provider,
+        "bad-1",
         Duration::from_millis(400),
     )
     .await;
@@ -501,12 +480,10 @@ pub async fn lease_undecodable_saved_data_is_parked_not_retaken<DB: ConformanceD
 pub async fn lease_takeover_nobody_waits_for_ends_its_lease<DB: ConformanceDb>(h: Harness<DB>) {
     use crate::store::{OwnedScope, Owning, Scope, spawn_owning};
     let app = h.pay_app(mode(Duration::from_secs(3)), WAIT).await;
-    app.state
-        .provider
-        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
-    abandon(
+    abandon_mid_charge(
         &app.router,
-        payment("cut-1", PAY),
+        &app.state.provider,
+        "cut-1",
         Duration::from_millis(400),
     )
     .await;

@@ -10,7 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http::StatusCode;
 
-use super::{Fault, Provider, pay, payment};
+use super::{Fault, Provider, park, pay, payment};
 use crate::IdempotencyLayer;
 use crate::lease::{Completer, LeaseMode, Leased, Recovered};
 use crate::testkit::{ConformanceDb, Harness, bearer, send};
@@ -162,10 +162,7 @@ pub async fn lease_completer_pass_does_not_void_an_operator_resolution<DB: Confo
         )
         .await;
     // Parked with its look-up down: a completer pass may retry it.
-    app.state.provider.fault(Fault::ChargeThenDrop);
-    app.state.provider.lookup_down(true);
-    let a = send(&app.router, payment("pay-1", PAY)).await;
-    assert_eq!(a.problem(), "reconciling", "{a:?}");
+    park(&app.router, &app.state.provider, "pay-1").await;
     let reconciler = Reconciler::new(h.pool.clone());
     let parked = reconciler.unresolved(10).await.expect("list");
     assert_eq!(parked.len(), 1);
