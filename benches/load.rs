@@ -39,6 +39,10 @@ use tower_idempotency::{IdempotencyLayer, Principal, Tx};
 #[allow(dead_code, unused_imports)]
 mod relay;
 
+#[allow(dead_code)]
+#[path = "../tests/common/pg_log.rs"]
+mod pg_log;
+
 const PHASE: Duration = Duration::from_secs(3);
 const ROUNDS: usize = 2;
 const MAX_REQUESTS: u64 = 200_000;
@@ -364,13 +368,15 @@ async fn main() {
     println!("|---|---|---|---|---|---|---|");
     let mut plot: Vec<Point> = Vec::new();
     let mut work = Vec::new();
+    // Errors and warnings the server logged for the bench's database.
+    let mut log = pg_log::ServerLog::open();
     for &conc in &CONCURRENCY {
         let scenarios = [
             ("baseline (no layer)", false, Keys::None),
             ("first execution", true, Keys::Unique),
             ("replay", true, Keys::One),
         ];
-        let mut measured: Vec<(&str, Run, PgStats)> = scenarios
+        let mut measured: Vec<(&str, Run, PgStats, usize)> = scenarios
             .iter()
             .map(|s| {
                 (
@@ -382,6 +388,7 @@ async fn main() {
                         statuses: Default::default(),
                     },
                     PgStats::default(),
+                    0usize,
                 )
             })
             .collect();
@@ -393,16 +400,20 @@ async fn main() {
                     load(server.addr, 1, Keys::One, ORDER, Duration::from_millis(100)).await;
                 }
                 let before = pg_stats(&admin, &db).await;
+                if let Some(log) = &mut log {
+                    log.problems(&db);
+                }
                 let run = load(server.addr, conc, keys, ORDER, PHASE).await;
                 server.stop().await;
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 let after = pg_stats(&admin, &db).await;
                 measured[i].1.absorb(run);
                 measured[i].2.add_delta(before, after);
+                measured[i].3 += log.as_mut().map_or(0, |log| log.problems(&db).len());
             }
         }
         let base = measured[0].1.rps();
-        for (name, run, delta) in &measured {
+        for (name, run, delta, errors) in &measured {
             println!(
                 "| {name} | {conc} | {:.0} | {:.2} | {:.2} | {:.2} | {:?} |",
                 run.rps(),
@@ -411,17 +422,19 @@ async fn main() {
                 run.rps() / base,
                 run.statuses
             );
-            if conc == 8 {
-                let n = run.requests as f64;
-                work.push(format!(
-                    "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |",
-                    delta.commits as f64 / n,
-                    delta.rollbacks as f64 / n,
-                    delta.inserted as f64 / n,
-                    delta.updated as f64 / n,
-                    delta.fetched as f64 / n,
-                ));
-            }
+            let n = run.requests as f64;
+            let errors = match log {
+                Some(_) => format!("{:.3}", *errors as f64 / n),
+                None => "(no log)".to_string(),
+            };
+            work.push(format!(
+                "| {name} | {conc} | {:.2} | {:.3} | {errors} | {:.2} | {:.2} | {:.1} |",
+                delta.commits as f64 / n,
+                delta.rollbacks as f64 / n,
+                delta.inserted as f64 / n,
+                delta.updated as f64 / n,
+                delta.fetched as f64 / n,
+            ));
         }
         plot.push(Point {
             conc,
@@ -431,10 +444,14 @@ async fn main() {
         });
     }
     println!();
-    println!("Database work per request (pg_stat_database deltas, concurrency 8):");
+    println!(
+        "Database work per request (pg_stat_database deltas; server errors and warnings from the server log):"
+    );
     println!();
-    println!("| scenario | commits | rollbacks | rows inserted | rows updated | rows fetched |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| scenario | concurrency | commits | rollbacks | server errors | rows inserted | rows updated | rows fetched |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for w in &work {
         println!("{w}");
     }
@@ -459,6 +476,7 @@ async fn main() {
     at_a_distance(&db, pg, Duration::from_micros(distance_us), &plot).await;
 
     storm(&url).await;
+    designs(&plot);
     write_svg(&plot);
     peak_rss().await;
 
@@ -568,6 +586,75 @@ async fn load_n(
 
 /// The baseline and first executions with the database `delay` away (each
 /// direction), interleaved, next to the loopback ratios of this run.
+/// The ledger designs at the SQL level (`benches/sql/run.sh`: pgbench
+/// replays each design's statements, ratios to the bare transaction in the
+/// same run), beside this run's end-to-end ratio for the design built.
+fn designs(loopback: &[Point]) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/sql/run.sh");
+    let what = [
+        ("bare", "the business transaction alone"),
+        (
+            "v5",
+            "ledger v5: literal claim with the division, lock-timeout save/restore, savepoint; update + COMMIT; BEGIN, then the pool's ROLLBACK",
+        ),
+        (
+            "v6",
+            "ledger v6 (built): claim and recording as plpgsql functions, advisory lock on the scope, savepoint; update + COMMIT",
+        ),
+        (
+            "v6_nosp",
+            "v6 without the savepoint (not a design: a final business error needs it)",
+        ),
+        (
+            "one_write",
+            "advisory lock + read, then the finished row inserted with the COMMIT (one write)",
+        ),
+    ];
+    let mut ratios: Vec<Vec<String>> = vec![Vec::new(); what.len()];
+    for conc in CONCURRENCY {
+        let out = std::process::Command::new(script)
+            .args([conc.to_string(), "4".into(), "1".into()])
+            .output();
+        let Some(out) = out.ok().filter(|o| o.status.success()) else {
+            println!("\n(design comparison skipped: {script} needs pgbench)");
+            return;
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        for (i, (name, _)) in what.iter().enumerate() {
+            let ratio = text
+                .lines()
+                .find(|l| l.split_whitespace().next() == Some(name))
+                .and_then(|l| l.rsplit(' ').next())
+                .unwrap_or("-");
+            ratios[i].push(ratio.to_string());
+        }
+    }
+    println!();
+    println!(
+        "Ledger designs at the SQL level (pgbench, simple protocol, tps / bare tps in the same run) and end to end (this run, first execution / baseline):"
+    );
+    println!();
+    println!(
+        "| design | what PostgreSQL receives | SQL 1 | SQL 8 | SQL 64 | end to end 1 | 8 | 64 |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for (i, (name, text)) in what.iter().enumerate() {
+        let e2e: Vec<String> = loopback
+            .iter()
+            .map(|p| match *name {
+                "bare" => "1.00".to_string(),
+                "v6" => format!("{:.2}", p.first / p.base),
+                _ => "not built".to_string(),
+            })
+            .collect();
+        println!(
+            "| {name} | {text} | {} | {} |",
+            ratios[i].join(" | "),
+            e2e.join(" | ")
+        );
+    }
+}
+
 async fn at_a_distance(db: &str, pg: std::net::SocketAddr, delay: Duration, loopback: &[Point]) {
     println!();
     println!(

@@ -131,8 +131,8 @@ use crate::observe;
 use crate::scope::bounded;
 use crate::service::CatchUnwind;
 use crate::store::{
-    Backend, Claim, ClaimOutcome, Completion, IsolationLevel, RecordStatus, Scope, StoreErrorKind,
-    spawn_claim,
+    Backend, Claim, ClaimOutcome, Claimed, Completion, IsolationLevel, Record, RecordStatus, Scope,
+    StoreErrorKind, spawn_claim,
 };
 use crate::tx::Tx;
 
@@ -342,15 +342,15 @@ impl<DB: Backend> Consumer<DB> {
         let fingerprint = self.fingerprint(payload);
         let deadline = Instant::now() + self.lock_wait;
         let tx = loop {
-            match self.claim(&scope, &fingerprint, deadline).await {
-                Ok(Some(tx)) => break tx,
-                Ok(None) => {}
-                Err(e) => return Err(e),
-            }
-            match DB::fetch(&self.pool, &scope)
-                .await
-                .map_err(ConsumeError::Store)?
-            {
+            let found = match self.claim(&scope, &fingerprint, deadline).await? {
+                Ok(tx) => break tx,
+                // The row the claim met, read on its way (PostgreSQL).
+                Err(Some(record)) => Some(*record),
+                Err(None) => DB::fetch(&self.pool, &scope)
+                    .await
+                    .map_err(ConsumeError::Store)?,
+            };
+            match found {
                 Some(record) if record.fingerprint != fingerprint => {
                     tracing::error!(
                         subscriber = %self.subscriber,
@@ -411,14 +411,14 @@ impl<DB: Backend> Consumer<DB> {
     }
 
     /// One claim of the id, waiting on a concurrent delivery at most until
-    /// `deadline`: the claimed transaction, or `None` when a committed row
-    /// holds the id.
+    /// `deadline`: the claimed transaction, or `Err` when a committed row
+    /// holds the id (with that row, when the claim read it).
     async fn claim<E>(
         &self,
         scope: &Scope<'_>,
         fingerprint: &[u8; 32],
         deadline: Instant,
-    ) -> Result<Option<sqlx::Transaction<'static, DB>>, ConsumeError<E>> {
+    ) -> Result<Result<Claimed<DB>, Option<Box<Record>>>, ConsumeError<E>> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let conn = match tokio::time::timeout(left, self.pool.acquire()).await {
@@ -441,15 +441,19 @@ impl<DB: Backend> Consumer<DB> {
                 Err(_) => return Err(ConsumeError::InFlight),
             };
             match claimed {
-                Ok(ClaimOutcome::Won(tx)) => return Ok(Some(tx)),
-                Ok(ClaimOutcome::Lost) => return Ok(None),
+                Ok(ClaimOutcome::Won(tx)) => return Ok(Ok(tx)),
+                Ok(ClaimOutcome::Lost(record)) => return Ok(Err(record)),
+                Ok(ClaimOutcome::InFlight) if Instant::now() + RETRY_PAUSE < deadline => {
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
+                Ok(ClaimOutcome::InFlight) => return Err(ConsumeError::InFlight),
                 Err(e) => match DB::error_kind(&e) {
                     // A concurrent claim above READ COMMITTED: read it.
-                    StoreErrorKind::Conflict => return Ok(None),
+                    StoreErrorKind::Conflict => return Ok(Err(None)),
                     StoreErrorKind::LockTimeout | StoreErrorKind::Busy
-                        if Instant::now() + Duration::from_millis(20) < deadline =>
+                        if Instant::now() + RETRY_PAUSE < deadline =>
                     {
-                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        tokio::time::sleep(RETRY_PAUSE).await;
                     }
                     StoreErrorKind::LockTimeout | StoreErrorKind::Busy => {
                         return Err(ConsumeError::InFlight);
@@ -555,6 +559,9 @@ where
     }
 }
 
+/// The pause before another claim of an id whose claim is in flight.
+const RETRY_PAUSE: Duration = Duration::from_millis(20);
+
 /// Whether every store can hold `message_id` in its key column: not
 /// empty, and no NUL (PostgreSQL's `TEXT` refuses it; SQLite and MySQL
 /// would take it, so it is refused everywhere alike). Length is no limit:
@@ -564,9 +571,9 @@ fn storable_id(message_id: &str) -> bool {
 }
 
 /// Rolls the claimed transaction back and waits for it.
-async fn rollback<DB: Backend>(tx: Option<sqlx::Transaction<'static, DB>>) {
+async fn rollback<DB: Backend>(tx: Option<Claimed<DB>>) {
     if let Some(tx) = tx {
-        let _ = tx.rollback().await;
+        tx.rollback().await;
     }
 }
 

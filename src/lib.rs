@@ -75,7 +75,8 @@
 //!    read followed by an `if`;
 //! 3. if the scope was already taken, reads the committed record once and
 //!    answers from it (replay, `422` for a different payload, `410` once
-//!    expired); [`IdempotencyLayer::with_read_first`] moves that read before
+//!    expired); on PostgreSQL the claim reads it in its own round trip, and
+//!    elsewhere [`IdempotencyLayer::with_read_first`] moves that read before
 //!    the claim, for replay-heavy traffic;
 //! 4. otherwise hands the claimed transaction to the handler ([`Tx`]);
 //! 5. classifies the answer ([`Classification`]) and records it on the same
@@ -119,10 +120,14 @@
 //!
 //! Two requests with one scope at the same moment: both may find no record;
 //! both try to insert; the database's unique constraint lets exactly one
-//! proceed. On PostgreSQL and MySQL the loser's insert waits on the winner's
-//! uncommitted row (bounded by the in-flight wait), then sees the winner's
-//! committed row and replays it; if the winner rolls back, the loser claims
-//! the key and runs. On SQLite writers are serialized by the database lock.
+//! proceed. On PostgreSQL the loser waits on the winner's transaction lock
+//! on the scope (an advisory lock every claim takes first), on MySQL on the
+//! winner's uncommitted row (bounded by the in-flight wait); it then sees
+//! the winner's committed row and replays it; if the winner rolls back, the
+//! loser claims the key and runs. On SQLite writers are serialized by the
+//! database lock. On PostgreSQL none of this is an error on the server: a
+//! replay, a lost race and a wait that runs out are values the claim
+//! returns, so the server log and its rollback count keep to real faults.
 //! A request that cannot settle within its bounds gets `409` with
 //! `Retry-After` and has changed nothing.
 //!
@@ -146,9 +151,9 @@
 //! The claimed transaction runs at the [`IsolationLevel`] the layer is given
 //! (`READ COMMITTED` by default; [`IdempotencyLayer::with_isolation_level`]),
 //! set for that transaction only. The claim's bounded lock wait never
-//! changes a session setting: on PostgreSQL it is `SET LOCAL` and the
-//! session's own `lock_timeout` is put back before the handler runs; on
-//! MySQL/MariaDB it applies to the claim's insert alone. The claim runs as a
+//! changes a session setting: on PostgreSQL it is set inside the claim's
+//! function, whose `SET` clause puts the session's own `lock_timeout` back
+//! when it returns; on MySQL/MariaDB it applies to the claim's insert alone. The claim runs as a
 //! task of its own, so a response future dropped mid-claim never returns a
 //! connection to the pool halfway through it. Under `REPEATABLE READ` or
 //! `SERIALIZABLE`, a claim that loses to a concurrent one with a

@@ -14,14 +14,25 @@
 //!   committed. Locking is never a wait: a handle that is already locked, or
 //!   whose transaction the layer has already taken back, is an error.
 //! - Do not spawn tasks that outlive the handler with the handle.
+//! - Do not call `begin()` on the guard's connection for nested work; write
+//!   `SAVEPOINT` / `RELEASE SAVEPOINT` statements. On PostgreSQL the claim
+//!   opens the transaction in the same round trip that claims the key, and
+//!   sqlx does not count it as a transaction (it cannot read a statement's
+//!   rows and count the transaction it opens): `begin()` there sends a
+//!   `BEGIN` the server ignores with a warning, and its `commit()` ends the
+//!   layer's transaction. The request is then answered `500`
+//!   `#transaction-ended` and the key held for reconciliation, as for any
+//!   handler that ends the transaction itself.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-use sqlx::{Database, Transaction};
+use sqlx::Database;
 use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 
-type Slot<DB> = Arc<Mutex<Option<Transaction<'static, DB>>>>;
+use crate::store::Claimed;
+
+type Slot<DB> = Arc<Mutex<Option<Claimed<DB>>>>;
 
 /// A handle to the transaction that holds this request's idempotency claim.
 /// Cheap to clone.
@@ -44,7 +55,7 @@ impl<DB: Database> std::fmt::Debug for Tx<DB> {
 }
 
 impl<DB: Database> Tx<DB> {
-    pub(crate) fn new(tx: Transaction<'static, DB>) -> Self {
+    pub(crate) fn new(tx: Claimed<DB>) -> Self {
         Self {
             slot: Arc::new(Mutex::new(Some(tx))),
         }
@@ -66,14 +77,14 @@ impl<DB: Database> Tx<DB> {
 
     /// Takes the transaction back; `None` if a guard is still alive or it was
     /// already taken.
-    pub(crate) fn take(&self) -> Option<Transaction<'static, DB>> {
+    pub(crate) fn take(&self) -> Option<Claimed<DB>> {
         self.slot.try_lock().ok()?.take()
     }
 }
 
 /// Exclusive use of the claimed transaction; see [`Tx::lock`].
 pub struct TxGuard<DB: Database> {
-    guard: OwnedMappedMutexGuard<Option<Transaction<'static, DB>>, Transaction<'static, DB>>,
+    guard: OwnedMappedMutexGuard<Option<Claimed<DB>>, Claimed<DB>>,
 }
 
 impl<DB: Database> std::fmt::Debug for TxGuard<DB> {

@@ -208,7 +208,8 @@ impl<DB: Backend> Leased<DB> {
             }
             state.phases += 1;
         }
-        let tx = Tx::new(DB::begin_phase(&self.inner.pool, self.inner.isolation).await?);
+        let phase = DB::begin_phase(&self.inner.pool, self.inner.isolation).await?;
+        let tx = Tx::new(phase.into());
         *lock(&self.inner.final_tx) = Some(tx.clone());
         Ok(tx)
     }
@@ -218,7 +219,8 @@ impl<DB: Backend> Leased<DB> {
     pub(crate) fn take_final(&self) -> Option<Option<Transaction<'static, DB>>> {
         match lock(&self.inner.final_tx).take() {
             None => Some(None),
-            Some(handle) => handle.take().map(Some),
+            // A phase is always a sqlx transaction (`begin_phase`).
+            Some(handle) => handle.take().map(|tx| tx.into_transaction().ok()),
         }
     }
 

@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use sqlx::Transaction;
 
 use super::{
     Answer, IdempotencyOutcome, Identity, Run, add_expiry, refusal, store_problem, within,
@@ -15,13 +14,14 @@ use crate::expiry::{is_expired, retention_ms};
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
 use crate::store::{
-    Backend, Claim, ClaimOutcome, Record, RecordStatus, StoreErrorKind, spawn_claim,
+    Backend, Claim, ClaimOutcome, Claimed as ClaimedTx, Record, RecordStatus, StoreErrorKind,
+    spawn_claim,
 };
 
 /// The outcome of the claim stage.
 pub(super) enum Claimed<DB: Backend> {
     /// This request owns the scope; the transaction is past its savepoint.
-    Won(Transaction<'static, DB>),
+    Won(ClaimedTx<DB>),
     /// Answer without running the handler.
     Answer(Answer),
 }
@@ -80,7 +80,10 @@ impl<DB: Backend> Run<DB> {
                 Ok(Attempt::NoPermit) => break Pending::InFlight,
                 // Lost to a committed row (or, above READ COMMITTED, to a
                 // concurrent claim): a fresh read explains it.
-                Ok(Attempt::Lost) => match self.lookup(id, deadline, attempts).await {
+                Ok(Attempt::Lost(Some(record))) => {
+                    return Claimed::Answer(self.judge(&record, id, attempts));
+                }
+                Ok(Attempt::Lost(None)) => match self.lookup(id, deadline, attempts).await {
                     Ok(Some(answer)) => return Claimed::Answer(answer),
                     Ok(None) => Pending::Unconfirmed,
                     Err(e) => return store_failure::<DB>(&e, attempts),
@@ -171,10 +174,11 @@ impl<DB: Backend> Run<DB> {
         let outcome = spawn_claim(conn, &claim, permit).await;
         match outcome {
             Ok(ClaimOutcome::Won(tx)) => Ok(Attempt::Won(tx)),
-            Ok(ClaimOutcome::Lost) => Ok(Attempt::Lost),
+            Ok(ClaimOutcome::Lost(record)) => Ok(Attempt::Lost(record)),
+            Ok(ClaimOutcome::InFlight) => Ok(Attempt::Blocked),
             Err(e) => match DB::error_kind(&e) {
                 StoreErrorKind::LockTimeout => Ok(Attempt::Blocked),
-                StoreErrorKind::Conflict => Ok(Attempt::Lost),
+                StoreErrorKind::Conflict => Ok(Attempt::Lost(None)),
                 _ => Err(e),
             },
         }
@@ -240,9 +244,9 @@ impl<DB: Backend> Run<DB> {
 
 /// What one claim attempt found.
 enum Attempt<DB: Backend> {
-    Won(Transaction<'static, DB>),
-    /// A committed row holds the scope.
-    Lost,
+    Won(ClaimedTx<DB>),
+    /// A committed row holds the scope (read on the way, or to be read).
+    Lost(Option<Box<Record>>),
     /// Another claimer's uncommitted row held the scope past the lock wait.
     Blocked,
     /// No waiter permit (or no connection) left for a request that waits.

@@ -8,7 +8,6 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, Request, Response};
 use http_body::Body;
-use sqlx::Transaction;
 use tower_service::Service;
 
 use super::claim::MIN_READ_WAIT;
@@ -22,7 +21,9 @@ use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, retention_ms};
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
-use crate::store::{Backend, Claim, Completion, FinishError, RecordStatus, StoreErrorKind};
+use crate::store::{
+    Backend, Claim, Claimed, Completion, FinishError, RecordStatus, StoreErrorKind,
+};
 use crate::tx::Tx;
 
 impl<DB: Backend> Run<DB> {
@@ -32,7 +33,7 @@ impl<DB: Backend> Run<DB> {
         &self,
         mut inner: S,
         id: &Identity<'_>,
-        tx: Transaction<'static, DB>,
+        tx: Claimed<DB>,
         parts: Parts,
         body: Bytes,
     ) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
@@ -168,7 +169,7 @@ impl<DB: Backend> Run<DB> {
     /// reconciliation.
     async fn abandon(
         &self,
-        tx: Option<Transaction<'static, DB>>,
+        tx: Option<Claimed<DB>>,
         id: &Identity<'_>,
         handler_status: i32,
     ) -> bool {
@@ -176,11 +177,12 @@ impl<DB: Backend> Run<DB> {
         let ended = DB::check_savepoint(&mut tx)
             .await
             .is_err_and(|e| DB::error_kind(&e) == StoreErrorKind::TransactionEnded);
-        // A failed rollback means a lost connection: the server aborts the
-        // transaction itself.
-        let _ = tx.rollback().await;
         if ended {
+            // Whatever the handler left open is closed with its connection.
+            tx.discard();
             self.strand(id, handler_status).await;
+        } else {
+            tx.rollback().await;
         }
         ended
     }

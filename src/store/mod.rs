@@ -9,7 +9,7 @@
 //!
 //! | backend | claim | waiting on an in-flight duplicate |
 //! |---|---|---|
-//! | PostgreSQL | `INSERT … ON CONFLICT DO NOTHING` | the insert blocks on the first claimer's uncommitted row, bounded by `SET LOCAL lock_timeout`; the session's own `lock_timeout` is put back before the handler runs |
+//! | PostgreSQL | `INSERT … ON CONFLICT DO NOTHING` inside `tower_idempotency_claim` (ledger v6), which returns won, lost (with the committed row) or still in flight as a value, never as an error | the claim waits on the first claimer's transaction advisory lock on the scope, bounded by a `lock_timeout` the function sets and its `SET` clause puts back; a wait that runs out is caught inside the function |
 //! | SQLite | `INSERT … ON CONFLICT DO NOTHING` in a `BEGIN IMMEDIATE` transaction | writers are serialized; the wait is the connection's `busy_timeout` (`SqliteConnectOptions::busy_timeout`, 5 s by default), and a busy database answers `503` |
 //! | MySQL/MariaDB | a plain `INSERT`, a duplicate key reported by the driver's unique-violation signal | the insert blocks on the uncommitted row, bounded by `innodb_lock_wait_timeout` set **for that one statement** (`SET STATEMENT … FOR` on MariaDB, the `SET_VAR` hint on MySQL 8), so no session setting ever changes |
 //!
@@ -51,6 +51,7 @@ use std::time::Duration;
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, Pool, Transaction};
 
+mod claimed;
 mod lease;
 mod literal;
 #[cfg(feature = "mysql")]
@@ -60,6 +61,7 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
+pub use claimed::Claimed;
 pub(crate) use lease::{CLAIM_ID, claim_data};
 pub use lease::{Fence, LeaseRecord, LeaseWrite};
 pub(crate) use literal::hex;
@@ -575,9 +577,15 @@ impl std::error::Error for FinishError {
 #[derive(Debug)]
 pub enum ClaimOutcome<DB: Database> {
     /// This transaction owns the scope, past the savepoint.
-    Won(Transaction<'static, DB>),
-    /// A committed row already holds the scope; nothing is left open.
-    Lost,
+    Won(Claimed<DB>),
+    /// A committed row already holds the scope; nothing is left open. The
+    /// row, when the claim read it on its way (PostgreSQL); `None`: read it.
+    Lost(Option<Box<Record>>),
+    /// Another claim of the scope was still running when the lock wait
+    /// ran out; nothing is left open. (PostgreSQL tells this without an
+    /// error; the other stores report a [`StoreErrorKind::LockTimeout`]
+    /// error.)
+    InFlight,
 }
 
 /// A database that can hold the ledger. Implemented for `sqlx::Postgres`,
@@ -632,7 +640,7 @@ pub trait Backend: Database {
     /// On any other error nothing of the transaction is committed.
     fn finish(
         pool: &Pool<Self>,
-        tx: Transaction<'static, Self>,
+        tx: Claimed<Self>,
         scope: &Scope<'_>,
         completion: &Completion<'_>,
     ) -> impl Future<Output = Result<i64, FinishError>> + Send;
@@ -821,6 +829,19 @@ pub(crate) fn release_savepoint(status: RecordStatus) -> &'static str {
     } else {
         "RELEASE SAVEPOINT tower_idempotency_claimed"
     }
+}
+
+/// The sqlx transaction of a backend that hands its claims over as one.
+#[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
+fn claimed_transaction<DB: Database>(
+    tx: Claimed<DB>,
+) -> Result<Transaction<'static, DB>, sqlx::Error> {
+    tx.into_transaction().map_err(|raw| {
+        raw.discard();
+        sqlx::Error::Protocol(
+            "a raw claimed connection reached a backend that claims with sqlx transactions".into(),
+        )
+    })
 }
 
 /// Errors every driver reports the same way: lost or unavailable connections.

@@ -7,9 +7,9 @@ use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 use super::lease::{Dialect, commit_if_written, x_literal};
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Fence, FinishError, IsolationLevel, LeaseWrite,
-    Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind,
-    migrations, release_savepoint, run_migrations, shared_statements,
+    Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
+    LeaseWrite, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
+    generic_error_kind, migrations, release_savepoint, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds, in UTC arithmetic only (no
@@ -104,14 +104,14 @@ impl Backend for MySql {
             now = now_ms!(),
         );
         match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await {
-            Ok(_) => Ok(ClaimOutcome::Won(tx)),
+            Ok(_) => Ok(ClaimOutcome::Won(tx.into())),
             // The driver's own signal, never a parsed message.
             Err(e)
                 if e.as_database_error()
                     .is_some_and(|d| d.is_unique_violation()) =>
             {
                 tx.rollback().await?;
-                Ok(ClaimOutcome::Lost)
+                Ok(ClaimOutcome::Lost(None))
             }
             Err(e) => {
                 let _ = tx.rollback().await;
@@ -122,10 +122,11 @@ impl Backend for MySql {
 
     async fn finish(
         _pool: &Pool<Self>,
-        mut tx: Transaction<'static, Self>,
+        tx: Claimed<Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
     ) -> Result<i64, FinishError> {
+        let mut tx = super::claimed_transaction(tx)?;
         // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, record,
         // read the expiry, commit. The read fails (a scalar subquery of two

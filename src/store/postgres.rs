@@ -3,16 +3,17 @@
 use std::future::poll_fn;
 use std::time::{Duration, Instant};
 
-use sqlx::pool::{MaybePoolConnection, PoolConnection};
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::Postgres;
 use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
 
 use super::lease::Dialect;
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Fence, FinishError, IsolationLevel, LeaseWrite,
-    Migration, Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
-    generic_error_kind, migrations, record_from_row, release_savepoint, run_migrations,
+    Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
+    LeaseWrite, Migration, Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT,
+    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, record_from_row, release_savepoint,
+    run_migrations,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).
@@ -29,6 +30,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     3 => "0003_hot_completion",
     4 => "0004_lease_mode",
     5 => "0005_claim_fence",
+    6 => "0006_claim_functions",
 );
 
 impl Backend for Postgres {
@@ -48,35 +50,33 @@ impl Backend for Postgres {
     }
 
     async fn claim(
-        conn: PoolConnection<Self>,
+        mut conn: PoolConnection<Self>,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
         // One round trip. The statements run in the implicit transaction of
         // a multi-statement query until `BEGIN` turns it into an explicit
-        // one that stays open for the handler. So a lost claim, a lock
-        // timeout or a serialization failure ends in an error that rolls
-        // everything back and leaves the connection idle, as sqlx expects;
-        // a won claim leaves it inside the transaction, past the savepoint.
-        // `ON CONFLICT DO NOTHING` finds a committed row without writing a
-        // tuple (a replay writes nothing); the division that follows fails
-        // only when nothing was inserted (`division_by_zero`, the one
-        // division in the statement), which is how a lost claim is told.
-        // The lock wait is bounded for the insert only: the session's own
-        // lock_timeout is remembered first and put back after it. Several
-        // statements need the simple query protocol, which has no
-        // parameters, so every value is written as hex digits or a decimal
-        // integer: nothing from the request can change the statement.
+        // one that stays open for the handler, past the savepoint. The
+        // claim is `tower_idempotency_claim` (ledger v6): it inserts the
+        // row with its lock wait bounded for that insert alone (the
+        // function's `SET` clause puts the session's own `lock_timeout`
+        // back when it returns) and tells a lost claim by a value, with
+        // the row that holds the scope: no error on the server for a
+        // retry. `ON CONFLICT DO NOTHING` finds a committed row without
+        // writing a tuple (a replay writes nothing). A lock timeout or a
+        // serialization failure ends in an error that rolls everything
+        // back and leaves the connection idle. Several statements need the
+        // simple query protocol, which has no parameters, so every value
+        // is written as hex digits or a decimal integer: nothing from the
+        // request can change the statement.
+        //
+        // sqlx cannot both read a statement's rows and count the
+        // transaction it opens, so the won transaction is handed over as
+        // the raw connection (`Claimed::raw`): `finish` commits it in the
+        // recording's batch, and nothing is queued after it.
         let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
         let sql = format!(
             "SET TRANSACTION ISOLATION LEVEL {}; \
-             SELECT set_config('lock_timeout', '{ms}ms', true) FROM (SELECT \
-             set_config('tower_idempotency.lock_timeout', current_setting('lock_timeout'), true)) AS saved; \
-             WITH claimed AS (INSERT INTO idempotency_records \
-             (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
-             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}) \
-             ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
-             RETURNING set_config('lock_timeout', current_setting('tower_idempotency.lock_timeout'), true)) \
-             SELECT 1 / (SELECT count(*) FROM claimed); \
+             SELECT * FROM tower_idempotency_claim({}, {}, {}, {}, {}, {ms}); \
              BEGIN; {TAKE_SAVEPOINT}",
             claim.isolation.as_sql(),
             text(claim.scope.principal),
@@ -84,50 +84,72 @@ impl Backend for Postgres {
             text(claim.scope.key),
             bytea(claim.fingerprint),
             claim.retention_ms,
-            now = now_ms!(),
         );
-        let claimed = Transaction::begin(
-            MaybePoolConnection::PoolConnection(conn),
-            Some(AssertSqlSafe(sql).into_sql_str()),
-        )
-        .await;
-        match claimed {
-            Ok(tx) => Ok(ClaimOutcome::Won(tx)),
-            // division_by_zero: nothing was inserted, a committed row holds
-            // the scope.
-            Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("22012") => {
-                Ok(ClaimOutcome::Lost)
-            }
-            Err(e) => Err(e),
+        let row = sqlx::raw_sql(AssertSqlSafe(sql))
+            .fetch_one(&mut *conn)
+            .await?;
+        let outcome = match row.try_get::<Option<bool>, _>(0)? {
+            Some(true) => return Ok(ClaimOutcome::Won(Claimed::raw(conn))),
+            // Lost: the row that holds the scope, as `fetch` reads it
+            // (`None` when it was deleted meanwhile).
+            Some(false) => ClaimOutcome::Lost(match row.try_get::<Option<String>, _>(1)? {
+                Some(_) => Some(Box::new(record_from_row((
+                    row.try_get(1)?,
+                    row.try_get(2)?,
+                    row.try_get(3)?,
+                    row.try_get(4)?,
+                    row.try_get(5)?,
+                    row.try_get(6)?,
+                    row.try_get(7)?,
+                    row.try_get(8)?,
+                    row.try_get(9)?,
+                    row.try_get(10)?,
+                    row.try_get(11)?,
+                    row.try_get(12)?,
+                    row.try_get(13)?,
+                    row.try_get(14)?,
+                    row.try_get(15)?,
+                ))?)),
+                None => None,
+            }),
+            None => ClaimOutcome::InFlight,
+        };
+        // The transaction wrote nothing; ending it with COMMIT keeps the
+        // server's rollback count for real failures.
+        if let Err(e) = sqlx::raw_sql("COMMIT").execute(&mut *conn).await {
+            conn.close_on_drop();
+            return Err(e);
         }
+        Ok(outcome)
     }
 
     async fn finish(
         pool: &Pool<Self>,
-        tx: Transaction<'static, Self>,
+        tx: Claimed<Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
     ) -> Result<i64, FinishError> {
         // One round trip: (undo the business writes,) prove the claimed
-        // transaction is still ours by releasing its savepoint, record,
-        // commit. The trailing `BEGIN` opens an empty transaction that
-        // matches sqlx's count of one open transaction; its rollback is
-        // queued when `tx` drops and rides on the pool's own check of the
-        // returned connection. The transaction's id rides along with the
-        // expiry, so that a connection lost during the `COMMIT` can be
-        // explained (`txid_current()`: 64 bits with the epoch, on every
-        // version, where PostgreSQL 13's `pg_current_xact_id()` is not).
+        // transaction is still ours by releasing its savepoint, record
+        // (`tower_idempotency_finish`, which fails when the row is gone, so
+        // the COMMIT never runs without it), commit. The transaction's id
+        // rides along with the expiry, so that a connection lost during the
+        // `COMMIT` can be explained (`txid_current()`: 64 bits with the
+        // epoch, on every version, where PostgreSQL 13's
+        // `pg_current_xact_id()` is not).
         let release = release_savepoint(c.status);
-        // A missing row (a handler that deleted it) fails the cast, so the
-        // COMMIT never runs without the ledger row.
         let sql = format!(
             "{release}; \
-             WITH done AS (UPDATE idempotency_records SET {} WHERE {} RETURNING expires_at) \
-             SELECT (CASE WHEN count(*) = 1 THEN max(expires_at)::text \
-             ELSE 'the idempotency ledger row is gone' END)::int8, txid_current() FROM done; \
-             COMMIT; BEGIN",
-            set_completion(c),
-            where_scope(scope),
+             SELECT tower_idempotency_finish({}, {}, {}, '{}', {}, {}, {}, {}), txid_current(); \
+             COMMIT",
+            text(scope.principal),
+            text(scope.operation),
+            text(scope.key),
+            c.status.as_str(),
+            c.response_status,
+            bytea(c.response_headers),
+            bytea(c.response_body),
+            c.resource_id.map_or_else(|| "NULL".to_string(), text),
         );
         run_commit(pool, tx, sql).await
     }
@@ -283,7 +305,7 @@ impl Backend for Postgres {
              COMMIT; BEGIN",
             DIALECT.write(scope, fence, write)
         );
-        match run_commit(pool, tx, sql).await {
+        match run_commit(pool, tx.into(), sql).await {
             Ok(expires_at) => Ok(Some(expires_at)),
             Err(FinishError::Store(e))
                 if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("22012") =>
@@ -322,13 +344,16 @@ impl Backend for Postgres {
 }
 
 /// Runs a recording batch whose one row is `(expires_at, txid_current())`
-/// and which ends in `COMMIT; BEGIN`; rolls back on error. Read as a
-/// stream: the row the server sent before the connection died is kept
-/// with the error that followed it, and the transaction's id then asks the
-/// server what became of the commit.
+/// and which ends in `COMMIT` (raw, from a claim) or `COMMIT; BEGIN` (a
+/// sqlx transaction, whose count of one open transaction the `BEGIN`
+/// matches); on error rolls back (sqlx) or closes the connection (raw: its
+/// state after a failed batch is not known here, and a closed connection
+/// leaves nothing open). Read as a stream: the row the server sent before
+/// the connection died is kept with the error that followed it, and the
+/// transaction's id then asks the server what became of the commit.
 async fn run_commit(
     pool: &Pool<Postgres>,
-    mut tx: Transaction<'static, Postgres>,
+    mut tx: Claimed<Postgres>,
     sql: String,
 ) -> Result<i64, FinishError> {
     let (row, failed) = {
@@ -346,10 +371,16 @@ async fn run_commit(
     };
     let recorded = row.map(|row| <(i64, i64)>::from_row(&row)).transpose();
     let Some(e) = failed else {
+        tx.ended();
         let (expires_at, _) = recorded?.ok_or(sqlx::Error::RowNotFound)?;
         return Ok(expires_at);
     };
-    let _ = tx.rollback().await;
+    match tx.into_transaction() {
+        Ok(tx) => {
+            let _ = tx.rollback().await;
+        }
+        Err(raw) => raw.discard(),
+    }
     let (expires_at, xid) = match recorded {
         // The row arrived, so the server ran the batch this far and may
         // have committed: ask what became of the transaction.
@@ -493,19 +524,6 @@ fn where_scope(scope: &Scope<'_>) -> String {
         text(scope.principal),
         text(scope.operation),
         text(scope.key)
-    )
-}
-
-/// The columns a completion writes, as literals.
-fn set_completion(c: &Completion<'_>) -> String {
-    format!(
-        "status = '{}', response_status = {}, response_headers = {}, response_body = {}, \
-         resource_id = {}",
-        c.status.as_str(),
-        c.response_status,
-        bytea(c.response_headers),
-        bytea(c.response_body),
-        c.resource_id.map_or_else(|| "NULL".to_string(), text),
     )
 }
 

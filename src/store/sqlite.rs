@@ -6,9 +6,9 @@ use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, Transaction};
 
 use super::lease::{Dialect, commit_if_written, x_literal};
 use super::{
-    Backend, Claim, ClaimOutcome, Completion, Fence, FinishError, IsolationLevel, LeaseWrite,
-    Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind,
-    migrations, release_savepoint, run_migrations, shared_statements,
+    Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
+    LeaseWrite, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
+    generic_error_kind, migrations, release_savepoint, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
@@ -74,11 +74,11 @@ impl Backend for Sqlite {
         match inserted {
             Ok(done) if done.rows_affected() == 1 => {
                 sqlx::raw_sql(TAKE_SAVEPOINT).execute(&mut *tx).await?;
-                Ok(ClaimOutcome::Won(tx))
+                Ok(ClaimOutcome::Won(tx.into()))
             }
             Ok(_) => {
                 tx.rollback().await?;
-                Ok(ClaimOutcome::Lost)
+                Ok(ClaimOutcome::Lost(None))
             }
             Err(e) => {
                 let _ = tx.rollback().await;
@@ -89,10 +89,11 @@ impl Backend for Sqlite {
 
     async fn finish(
         _pool: &Pool<Self>,
-        mut tx: Transaction<'static, Self>,
+        tx: Claimed<Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
     ) -> Result<i64, FinishError> {
+        let mut tx = super::claimed_transaction(tx)?;
         // An embedded database has no round trips to save: prove the
         // claimed transaction is still ours, record with parameters, commit.
         // No connection to lose: every error is a `FinishError::Store`.

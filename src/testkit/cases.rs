@@ -1331,9 +1331,11 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
         run.await.unwrap().unwrap();
     }
     let pool = &pools[0];
+    // PostgreSQL's v6 is its claim functions; the other stores have five.
+    let versions = if DB::LABEL == "postgres" { 6 } else { 5 };
     assert_eq!(
         DB::count(pool, "SELECT COUNT(*) FROM tower_idempotency_migrations").await,
-        5
+        versions
     );
     assert_eq!(
         DB::count(
@@ -1341,7 +1343,7 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
             "SELECT MAX(version) FROM tower_idempotency_migrations"
         )
         .await,
-        5
+        versions
     );
     assert_eq!(
         DB::count(

@@ -1,0 +1,110 @@
+-- tower-idempotency ledger v6, PostgreSQL: the default mode's claim and
+-- recording as server-side functions.
+-- A plpgsql function plans its statements once per session and keeps the
+-- plans, where a literal statement is parsed and planned on every request;
+-- and it can tell a lost claim as a value, so an ordinary retry raises no
+-- error on the server (the claim before v6 divided by zero to tell it).
+-- Both work through PgBouncer in transaction pooling mode (no prepared
+-- statement crosses a transaction) and are called from one simple query
+-- with the transaction's start or its COMMIT, so no round trip is added.
+
+-- Claims a scope for the calling transaction. claimed is
+--   true:  the PROCESSING row is inserted, and the transaction holds the
+--          scope's advisory lock until it ends;
+--   false: a committed row holds the scope; the other columns are that row
+--          (read after any wait, so a concurrent winner's commit is seen at
+--          READ COMMITTED), all NULL when it was deleted meanwhile;
+--   NULL:  another transaction's claim of the scope was still running after
+--          wait_ms.
+-- Every claim of a scope through this function first takes a transaction
+-- advisory lock on it (class 1953064039, "tide", and the scope's hash:
+-- scopes whose hashes meet only wait on each other). A claim that finds
+-- the lock held waits for it at most wait_ms, in a block that catches the
+-- timeout: a duplicate that waits raises no error, and nothing of it
+-- reaches the server log. The lock only orders claimers; the primary key
+-- still decides who owns the scope. The insert's own wait on a row of a
+-- writer that took no advisory lock is bounded by wait_ms too, and fails
+-- with lock_not_available. The SET clause scopes both bounds: the caller's
+-- lock_timeout is back in force when the function returns.
+CREATE OR REPLACE FUNCTION tower_idempotency_claim(
+    p_principal TEXT, p_operation TEXT, p_key TEXT, p_fingerprint BYTEA,
+    p_retention_ms BIGINT, p_wait_ms INTEGER)
+RETURNS TABLE (
+    claimed BOOLEAN, status TEXT, request_fingerprint BYTEA, response_status INTEGER,
+    response_headers BYTEA, response_body BYTEA, resource_id TEXT, expires_at BIGINT,
+    past_expiry BIGINT, generation BIGINT, live BIGINT, recovery_point TEXT,
+    recovery_data BYTEA, pending_step TEXT, claim_id TEXT, parks BIGINT)
+LANGUAGE plpgsql VOLATILE
+SET lock_timeout = 0
+AS $$
+#variable_conflict use_column
+DECLARE
+    now_ms BIGINT;
+    scope_hash INTEGER := hashtext(p_principal || E'\n' || p_operation || E'\n' || p_key);
+BEGIN
+    PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
+    IF NOT pg_try_advisory_xact_lock(1953064039, scope_hash) THEN
+        BEGIN
+            PERFORM pg_advisory_xact_lock(1953064039, scope_hash);
+        EXCEPTION WHEN lock_not_available THEN
+            RETURN QUERY SELECT NULL::BOOLEAN, NULL::TEXT, NULL::BYTEA, NULL::INTEGER,
+                NULL::BYTEA, NULL::BYTEA, NULL::TEXT, NULL::BIGINT, NULL::BIGINT,
+                NULL::BIGINT, NULL::BIGINT, NULL::TEXT, NULL::BYTEA, NULL::TEXT,
+                NULL::TEXT, NULL::BIGINT;
+            RETURN;
+        END;
+    END IF;
+    now_ms := (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT;
+    INSERT INTO idempotency_records AS r
+        (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at)
+    VALUES (p_principal, p_operation, p_key, p_fingerprint, 'PROCESSING', now_ms, now_ms + p_retention_ms)
+    ON CONFLICT (principal_id, operation, idem_key) DO NOTHING;
+    IF FOUND THEN
+        RETURN QUERY SELECT true, NULL::TEXT, NULL::BYTEA, NULL::INTEGER, NULL::BYTEA,
+            NULL::BYTEA, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT,
+            NULL::TEXT, NULL::BYTEA, NULL::TEXT, NULL::TEXT, NULL::BIGINT;
+        RETURN;
+    END IF;
+    now_ms := (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT;
+    RETURN QUERY SELECT false, r.status, r.request_fingerprint, r.response_status,
+        r.response_headers, r.response_body, r.resource_id, r.expires_at,
+        CASE WHEN r.expires_at <= now_ms THEN 1::BIGINT ELSE 0::BIGINT END, r.generation,
+        CASE WHEN r.locked_until > now_ms THEN 1::BIGINT ELSE 0::BIGINT END,
+        r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::BIGINT
+        FROM idempotency_records r
+        WHERE r.principal_id = p_principal COLLATE "default"
+          AND r.operation = p_operation COLLATE "default" AND r.idem_key = p_key COLLATE "default";
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT false, NULL::TEXT, NULL::BYTEA, NULL::INTEGER, NULL::BYTEA,
+            NULL::BYTEA, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT,
+            NULL::TEXT, NULL::BYTEA, NULL::TEXT, NULL::TEXT, NULL::BIGINT;
+    END IF;
+END $$;
+
+-- Records the answer on the calling transaction's PROCESSING row and
+-- returns the row's expiry. A row that is gone (a handler deleted it) is an
+-- error, so the COMMIT that follows in the same query never runs without
+-- the ledger row.
+CREATE OR REPLACE FUNCTION tower_idempotency_finish(
+    p_principal TEXT, p_operation TEXT, p_key TEXT, p_status TEXT,
+    p_response_status INTEGER, p_response_headers BYTEA, p_response_body BYTEA,
+    p_resource_id TEXT)
+RETURNS BIGINT
+LANGUAGE plpgsql VOLATILE
+AS $$
+DECLARE
+    expiry BIGINT;
+BEGIN
+    UPDATE idempotency_records
+        SET status = p_status, response_status = p_response_status,
+            response_headers = p_response_headers, response_body = p_response_body,
+            resource_id = p_resource_id
+        WHERE principal_id = p_principal COLLATE "default" AND operation = p_operation COLLATE "default"
+          AND idem_key = p_key COLLATE "default"
+          AND status = 'PROCESSING'
+        RETURNING expires_at INTO expiry;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'the idempotency ledger row is gone';
+    END IF;
+    RETURN expiry;
+END $$;

@@ -1,0 +1,203 @@
+//! Issue 18: on PostgreSQL an ordinary outcome raises no error on the
+//! server and rolls nothing back. First executions, replays, final business
+//! errors, a reused key, and concurrent duplicates split across two
+//! instances (which wait on each other in the database) run against a
+//! fresh database; then its `pg_stat_database` counters must show no
+//! rollback, and the server log (Debian's, when this process can read it)
+//! no error or warning for that database. Before ledger v6 every retry was
+//! a `division by zero` in the log and every first execution one rollback.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use http::{Request, Response, StatusCode};
+use sqlx::{PgPool, Row};
+use tower::util::BoxCloneService;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency::testkit::{ConformanceDb, pg_admin_url};
+use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Principal, Tx};
+
+#[path = "common/pg_log.rs"]
+mod pg_log;
+
+/// `(xact_commit, xact_rollback)` of `db`, once the counters are still:
+/// a backend reports its counts when it ends, shortly after its pool is
+/// closed.
+async fn counters(admin: &PgPool, db: &str) -> (i64, i64) {
+    let read = || async {
+        let row = sqlx::query(
+            "SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = $1",
+        )
+        .bind(db)
+        .fetch_one(admin)
+        .await
+        .unwrap();
+        (row.get::<i64, _>(0), row.get::<i64, _>(1))
+    };
+    let mut last = read().await;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = read().await;
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+    last
+}
+
+/// One application instance: the layer on its own pool, a handler that
+/// writes an order (after `delay_ms` from the body, to make duplicates
+/// meet) and answers 201, or 409 (a final business error) on `/short`.
+fn instance(pool: PgPool) -> App {
+    let service = ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(pool))
+        .service_fn(|req: Request<IdempotencyBody<String>>| async move {
+            let short = req.uri().path() == "/short";
+            let delay = req
+                .headers()
+                .get("x-delay-ms")
+                .and_then(|v| v.to_str().ok()?.parse().ok())
+                .unwrap_or(0);
+            let tx = req
+                .extensions()
+                .get::<Tx<sqlx::Postgres>>()
+                .cloned()
+                .unwrap();
+            {
+                let mut conn = tx.lock().unwrap();
+                sqlx::raw_sql("INSERT INTO orders (n) VALUES (1)")
+                    .execute(&mut *conn)
+                    .await
+                    .unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+            let status = if short { 409 } else { 201 };
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(status)
+                    .body("{\"ok\":true}".to_string())
+                    .unwrap(),
+            )
+        });
+    BoxCloneService::new(service)
+}
+
+type App = BoxCloneService<Request<String>, Response<IdempotencyBody<String>>, Infallible>;
+
+fn send(
+    service: &App,
+    path: &str,
+    key: &str,
+    body: &str,
+    delay_ms: u64,
+) -> impl Future<Output = StatusCode> + Send + 'static {
+    let service = service.clone();
+    let mut req = Request::post(path)
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json")
+        .header("x-delay-ms", delay_ms.to_string())
+        .body(body.to_string())
+        .unwrap();
+    req.extensions_mut().insert(Principal::new("user-42"));
+    async move { service.oneshot(req).await.unwrap().status() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordinary_outcomes_raise_no_server_error_and_roll_nothing_back() {
+    let (url, _drop) = <sqlx::Postgres as ConformanceDb>::fresh_url().await;
+    let db = url.rsplit('/').next().unwrap().to_string();
+    let setup = PgPool::connect(&url).await.unwrap();
+    tower_idempotency::migrate(&setup).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, n INT NOT NULL)")
+        .execute(&setup)
+        .await
+        .unwrap();
+    setup.close().await;
+    let admin = PgPool::connect(&pg_admin_url()).await.unwrap();
+    let log = pg_log::ServerLog::open();
+    let (commits_before, rollbacks_before) = counters(&admin, &db).await;
+
+    let pools = [
+        PgPool::connect(&url).await.unwrap(),
+        PgPool::connect(&url).await.unwrap(),
+    ];
+    let [a, b] = [instance(pools[0].clone()), instance(pools[1].clone())];
+    const N: usize = 20;
+    // First executions, then their replays, on either instance.
+    for i in 0..N {
+        assert_eq!(
+            send(&a, "/orders", &format!("k-{i}"), "{\"a\":1}", 0).await,
+            StatusCode::CREATED
+        );
+    }
+    for i in 0..N {
+        assert_eq!(
+            send(&b, "/orders", &format!("k-{i}"), "{\"a\":1}", 0).await,
+            StatusCode::CREATED
+        );
+    }
+    // Final business errors, recorded and replayed.
+    for i in 0..5 {
+        for _ in 0..2 {
+            assert_eq!(
+                send(&a, "/short", &format!("s-{i}"), "{}", 0).await,
+                StatusCode::CONFLICT
+            );
+        }
+    }
+    // A key reused with another payload.
+    assert_eq!(
+        send(&a, "/orders", "k-0", "{\"a\":2}", 0).await,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    // Concurrent duplicates across the two instances, the first still
+    // running (300 ms) when the others arrive: they wait in the database,
+    // past the layer's first short probe, then replay.
+    for burst in 0..5 {
+        let key = format!("burst-{burst}");
+        let mut all = Vec::new();
+        for n in 0..6 {
+            let service = if n % 2 == 0 { a.clone() } else { b.clone() };
+            let key = key.clone();
+            let sending = send(&service, "/orders", &key, "{\"a\":1}", 300);
+            all.push(tokio::spawn(sending));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for one in all {
+            assert_eq!(one.await.unwrap(), StatusCode::CREATED);
+        }
+    }
+    for pool in &pools {
+        pool.close().await;
+    }
+    let (commits_after, rollbacks_after) = counters(&admin, &db).await;
+    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(&PgPool::connect(&url).await.unwrap())
+        .await
+        .unwrap();
+    println!(
+        "commits {} rollbacks {} for {} requests; orders {orders}",
+        commits_after - commits_before,
+        rollbacks_after - rollbacks_before,
+        2 * N + 10 + 1 + 30
+    );
+    assert_eq!(orders, N as i64 + 5, "one order per key that succeeded");
+    assert_eq!(
+        rollbacks_after - rollbacks_before,
+        0,
+        "no transaction rolled back for an ordinary outcome"
+    );
+    match log {
+        Some(mut log) => {
+            let problems = log.problems(&db);
+            println!(
+                "server log {} read: {} errors or warnings",
+                log.path().display(),
+                problems.len()
+            );
+            assert!(problems.is_empty(), "server log: {problems:#?}");
+        }
+        None => println!("no readable server log here; judged by pg_stat_database alone"),
+    }
+}
