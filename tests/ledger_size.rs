@@ -69,45 +69,65 @@ async fn bytes_per_ledger_row_on_postgres() {
     );
 }
 
-/// The completion (`PROCESSING` → `SUCCEEDED`) touches no indexed column,
-/// and the table leaves room on its pages: PostgreSQL records it as a
+/// What a first execution writes to the ledger on PostgreSQL. At READ
+/// COMMITTED (the default) one tuple: the finished row, inserted with the
+/// COMMIT, never updated. Above it the claim inserts the `PROCESSING` row
+/// and the completion updates it; the completion touches no indexed column
+/// and the table leaves room on its pages, so PostgreSQL records it as a
 /// heap-only (HOT) update, writing no index entries for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn completions_are_hot_updates_on_postgres() {
+async fn a_first_execution_writes_one_ledger_tuple_on_postgres() {
+    use tower_idempotency::IsolationLevel;
     use tower_idempotency::testkit::{Harness, order, send};
     let h = Harness::<sqlx::Postgres>::new().await;
-    let app = h.app();
-    for i in 0..200 {
-        let a = send(
-            &app,
-            order(
-                Some("user-42"),
-                Some(&format!("hot-{i}")),
-                r#"{"amount":1}"#,
-            ),
-        )
-        .await;
-        assert_eq!(a.status, http::StatusCode::CREATED);
-    }
-    // Statistics reach the shared counters within a second or so.
-    let mut seen = (0, 0);
-    for _ in 0..50 {
-        seen = sqlx::query_as::<_, (i64, i64)>(
-            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'idempotency_records'",
-        )
-        .fetch_one(&h.pool)
-        .await
-        .unwrap();
-        if seen.0 >= 200 {
-            break;
+    let run = |app: axum::Router, prefix: &'static str| async move {
+        for i in 0..200 {
+            let key = format!("{prefix}-{i}");
+            let a = send(&app, order(Some("user-42"), Some(&key), r#"{"amount":1}"#)).await;
+            assert_eq!(a.status, http::StatusCode::CREATED);
         }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    let (updates, hot) = seen;
-    println!("ledger completions: {updates} updates, {hot} HOT");
-    assert!(updates >= 200, "{updates} updates counted");
+    };
+    let before = ledger_stats(&h.pool, |_| true).await;
+    run(h.app(), "rc").await;
+    let rc = ledger_stats(&h.pool, |s| s.0 >= before.0 + 200).await;
+    let (inserted, updated) = (rc.0 - before.0, rc.1 - before.1);
+    println!(
+        "READ COMMITTED: {inserted} ledger inserts, {updated} updates for 200 first executions"
+    );
+    assert_eq!((inserted, updated), (200, 0), "one ledger write each");
+    let stricter = h
+        .layer()
+        .with_isolation_level(IsolationLevel::RepeatableRead);
+    run(h.app_with(stricter), "rr").await;
+    let rr = ledger_stats(&h.pool, |s| s.1 >= rc.1 + 200).await;
+    let (updates, hot) = (rr.1 - rc.1, rr.2 - rc.2);
+    println!("REPEATABLE READ: {updates} completions, {hot} HOT");
+    assert_eq!(updates, 200, "{updates} completions counted");
     assert!(
         hot * 10 >= updates * 9,
         "only {hot} of {updates} updates were HOT"
     );
+}
+
+/// The ledger's `(inserts, updates, HOT updates)` once `done` holds of
+/// them: the pooled backends report their counts within seconds.
+async fn ledger_stats(
+    pool: &sqlx::PgPool,
+    done: impl Fn((i64, i64, i64)) -> bool,
+) -> (i64, i64, i64) {
+    let mut seen = (0, 0, 0);
+    for _ in 0..200 {
+        seen = sqlx::query_as(
+            "SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables \
+             WHERE relname = 'idempotency_records'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if done(seen) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    seen
 }

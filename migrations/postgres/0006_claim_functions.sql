@@ -1,5 +1,6 @@
 -- tower-idempotency ledger v6, PostgreSQL: the default mode's claim and
--- recording as server-side functions.
+-- recording as server-side functions, and one ledger write per first
+-- execution.
 -- A plpgsql function plans its statements once per session and keeps the
 -- plans, where a literal statement is parsed and planned on every request;
 -- and it can tell a lost claim as a value, so an ordinary retry raises no
@@ -8,27 +9,36 @@
 -- statement crosses a transaction) and are called from one simple query
 -- with the transaction's start or its COMMIT, so no round trip is added.
 
--- Claims a scope for the calling transaction. claimed is
---   true:  the PROCESSING row is inserted, and the transaction holds the
---          scope's advisory lock until it ends;
---   false: a committed row holds the scope; the other columns are that row
---          (read after any wait, so a concurrent winner's commit is seen at
---          READ COMMITTED), all NULL when it was deleted meanwhile;
---   NULL:  another transaction's claim of the scope was still running after
---          wait_ms.
--- Every claim of a scope through this function first takes a transaction
--- advisory lock on it (class 1953064039, "tide", and the scope's hash:
--- scopes whose hashes meet only wait on each other). A claim that finds
--- the lock held waits for it at most wait_ms, in a block that catches the
--- timeout: a duplicate that waits raises no error, and nothing of it
--- reaches the server log. The lock only orders claimers; the primary key
--- still decides who owns the scope. The insert's own wait on a row of a
--- writer that took no advisory lock is bounded by wait_ms too, and fails
--- with lock_not_available. The SET clause scopes both bounds: the caller's
--- lock_timeout is back in force when the function returns.
+-- Claims a scope for the calling transaction.
+-- Every claim first takes a transaction advisory lock on the scope (class
+-- 1953064039, "tide", and the scope's hash: scopes whose hashes meet only
+-- wait on each other), so claims of one scope run one at a time. A claim
+-- that finds the lock held waits for it at most wait_ms, in a block that
+-- catches the timeout: a duplicate that waits raises no error, and nothing
+-- of it reaches the server log.
+-- Then, with p_write (the caller's transaction is REPEATABLE READ or
+-- SERIALIZABLE, whose snapshot may predate a winner that committed while
+-- this claim waited), the PROCESSING row is inserted: the primary key
+-- decides, and a winner the snapshot cannot see is a serialization
+-- failure. Without p_write (READ COMMITTED: each statement sees every
+-- commit before it) the row is only read: none means the scope is this
+-- transaction's while it holds the lock, and its row is inserted, finished,
+-- with the COMMIT (tower_idempotency_finish), one write per first
+-- execution. The primary key still backs that insert: a row that appeared
+-- meanwhile (a writer that takes no advisory lock) fails it, and nothing
+-- commits.
+-- claimed is
+--   true:  the scope is this transaction's;
+--   false: a committed row holds the scope; the other columns are that row,
+--          all NULL when it was deleted meanwhile;
+--   NULL:  another transaction's claim was still running after wait_ms.
+-- The insert's own wait on a row of a writer that took no advisory lock is
+-- bounded by wait_ms too, and fails with lock_not_available. The SET clause
+-- scopes both bounds: the caller's lock_timeout is back in force when the
+-- function returns.
 CREATE OR REPLACE FUNCTION tower_idempotency_claim(
     p_principal TEXT, p_operation TEXT, p_key TEXT, p_fingerprint BYTEA,
-    p_retention_ms BIGINT, p_wait_ms INTEGER)
+    p_retention_ms BIGINT, p_wait_ms INTEGER, p_write BOOLEAN)
 RETURNS TABLE (
     claimed BOOLEAN, status TEXT, request_fingerprint BYTEA, response_status INTEGER,
     response_headers BYTEA, response_body BYTEA, resource_id TEXT, expires_at BIGINT,
@@ -54,16 +64,19 @@ BEGIN
             RETURN;
         END;
     END IF;
-    now_ms := (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT;
-    INSERT INTO idempotency_records AS r
-        (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at)
-    VALUES (p_principal, p_operation, p_key, p_fingerprint, 'PROCESSING', now_ms, now_ms + p_retention_ms)
-    ON CONFLICT (principal_id, operation, idem_key) DO NOTHING;
-    IF FOUND THEN
-        RETURN QUERY SELECT true, NULL::TEXT, NULL::BYTEA, NULL::INTEGER, NULL::BYTEA,
-            NULL::BYTEA, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT,
-            NULL::TEXT, NULL::BYTEA, NULL::TEXT, NULL::TEXT, NULL::BIGINT;
-        RETURN;
+    IF p_write THEN
+        now_ms := (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT;
+        INSERT INTO idempotency_records AS r
+            (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at)
+        VALUES (p_principal, p_operation, p_key, p_fingerprint, 'PROCESSING', now_ms,
+                now_ms + p_retention_ms)
+        ON CONFLICT (principal_id, operation, idem_key) DO NOTHING;
+        IF FOUND THEN
+            RETURN QUERY SELECT true, NULL::TEXT, NULL::BYTEA, NULL::INTEGER, NULL::BYTEA,
+                NULL::BYTEA, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT,
+                NULL::BIGINT, NULL::TEXT, NULL::BYTEA, NULL::TEXT, NULL::TEXT, NULL::BIGINT;
+            RETURN;
+        END IF;
     END IF;
     now_ms := (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT;
     RETURN QUERY SELECT false, r.status, r.request_fingerprint, r.response_status,
@@ -75,26 +88,42 @@ BEGIN
         WHERE r.principal_id = p_principal COLLATE "default"
           AND r.operation = p_operation COLLATE "default" AND r.idem_key = p_key COLLATE "default";
     IF NOT FOUND THEN
-        RETURN QUERY SELECT false, NULL::TEXT, NULL::BYTEA, NULL::INTEGER, NULL::BYTEA,
+        RETURN QUERY SELECT NOT p_write, NULL::TEXT, NULL::BYTEA, NULL::INTEGER, NULL::BYTEA,
             NULL::BYTEA, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT,
             NULL::TEXT, NULL::BYTEA, NULL::TEXT, NULL::TEXT, NULL::BIGINT;
     END IF;
 END $$;
 
--- Records the answer on the calling transaction's PROCESSING row and
--- returns the row's expiry. A row that is gone (a handler deleted it) is an
--- error, so the COMMIT that follows in the same query never runs without
--- the ledger row.
+-- Records the answer of a claimed scope and returns its expiry: without
+-- p_written, inserts the finished row (the claim wrote nothing; a row that
+-- is there already fails the insert, so nothing commits); with it, updates
+-- the PROCESSING row the claim inserted (a row that is gone, say a handler
+-- deleted it, is an error). Either way the COMMIT that follows in the same
+-- query never runs without the ledger row. The insert waits on another
+-- writer's uncommitted row of the scope (one that took no advisory lock) at
+-- most 5 s, then fails with lock_not_available; the SET clause puts the
+-- caller's lock_timeout back when the function returns.
 CREATE OR REPLACE FUNCTION tower_idempotency_finish(
-    p_principal TEXT, p_operation TEXT, p_key TEXT, p_status TEXT,
-    p_response_status INTEGER, p_response_headers BYTEA, p_response_body BYTEA,
-    p_resource_id TEXT)
+    p_principal TEXT, p_operation TEXT, p_key TEXT, p_fingerprint BYTEA,
+    p_retention_ms BIGINT, p_written BOOLEAN, p_status TEXT, p_response_status INTEGER,
+    p_response_headers BYTEA, p_response_body BYTEA, p_resource_id TEXT)
 RETURNS BIGINT
 LANGUAGE plpgsql VOLATILE
+SET lock_timeout = '5s'
 AS $$
 DECLARE
+    now_ms BIGINT := (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT;
     expiry BIGINT;
 BEGIN
+    IF NOT p_written THEN
+        INSERT INTO idempotency_records
+            (principal_id, operation, idem_key, request_fingerprint, status, response_status,
+             response_headers, response_body, resource_id, created_at, expires_at)
+        VALUES (p_principal, p_operation, p_key, p_fingerprint, p_status, p_response_status,
+                p_response_headers, p_response_body, p_resource_id, now_ms,
+                now_ms + p_retention_ms);
+        RETURN now_ms + p_retention_ms;
+    END IF;
     UPDATE idempotency_records
         SET status = p_status, response_status = p_response_status,
             response_headers = p_response_headers, response_body = p_response_body,
@@ -108,3 +137,9 @@ BEGIN
     END IF;
     RETURN expiry;
 END $$;
+
+-- Default-mode rows never have a lease: the lease index holds leased rows
+-- only, so a default-mode insert writes one index entry fewer.
+DROP INDEX IF EXISTS idempotency_records_lease;
+CREATE INDEX idempotency_records_lease ON idempotency_records (locked_until)
+    WHERE locked_until IS NOT NULL;

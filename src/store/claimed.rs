@@ -30,6 +30,20 @@ const ROLLBACK_WAIT: Duration = Duration::from_secs(5);
 /// connection the handler's statements run on.
 pub struct Claimed<DB: Database> {
     inner: Inner<DB>,
+    /// What the recording of a raw claim needs to know of it.
+    pub(crate) claim: Option<ClaimNote>,
+}
+
+/// What a raw claim's recording needs to know of the claim.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) struct ClaimNote {
+    /// The request fingerprint.
+    pub(crate) fingerprint: Vec<u8>,
+    /// The retention, in milliseconds from the claim.
+    pub(crate) retention_ms: i64,
+    /// Whether the claim wrote the `PROCESSING` row (else the recording
+    /// inserts the finished row).
+    pub(crate) written: bool,
 }
 
 enum Inner<DB: Database> {
@@ -49,6 +63,7 @@ impl<DB: Database> From<Transaction<'static, DB>> for Claimed<DB> {
     fn from(tx: Transaction<'static, DB>) -> Self {
         Self {
             inner: Inner::Transaction(tx),
+            claim: None,
         }
     }
 }
@@ -64,12 +79,13 @@ impl<DB: Database> Claimed<DB> {
     /// transaction, which sqlx does not count: the backend's own `finish`
     /// ends it (see [`Claimed::ended`]).
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) fn raw(conn: PoolConnection<DB>) -> Self
+    pub(crate) fn raw(conn: PoolConnection<DB>, claim: ClaimNote) -> Self
     where
         for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     {
         Self {
             inner: Inner::Raw(Some(conn), |conn| Box::pin(rollback_raw(conn))),
+            claim: Some(claim),
         }
     }
 
@@ -78,7 +94,10 @@ impl<DB: Database> Claimed<DB> {
     pub fn into_transaction(mut self) -> Result<Transaction<'static, DB>, Self> {
         match self.take() {
             Inner::Transaction(tx) => Ok(tx),
-            raw => Err(Self { inner: raw }),
+            raw => Err(Self {
+                inner: raw,
+                claim: self.claim.take(),
+            }),
         }
     }
 
@@ -86,6 +105,20 @@ impl<DB: Database> Claimed<DB> {
     /// methods that consume `self`, whose `Drop` then does nothing).
     fn take(&mut self) -> Inner<DB> {
         std::mem::replace(&mut self.inner, Inner::Raw(None, |_| Box::pin(async {})))
+    }
+
+    /// The batch that ends the transaction is about to be sent: if this is
+    /// dropped before its answer is read, the raw connection is closed, not
+    /// rolled back (a `ROLLBACK` queued behind a `COMMIT` would find no
+    /// transaction). The batch then committed whole or not at all.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn committing(&mut self) {
+        if let Inner::Raw(_, rollback) = &mut self.inner {
+            *rollback = |mut conn| {
+                conn.close_on_drop();
+                Box::pin(async {})
+            };
+        }
     }
 
     /// A raw connection whose transaction the backend has ended (committed

@@ -61,6 +61,8 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
+#[cfg(feature = "postgres")]
+use claimed::ClaimNote;
 pub use claimed::Claimed;
 pub(crate) use lease::{CLAIM_ID, claim_data};
 pub use lease::{Fence, LeaseRecord, LeaseWrite};

@@ -10,10 +10,10 @@ use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
 use super::lease::Dialect;
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT,
-    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, record_from_row, release_savepoint,
-    run_migrations,
+    Backend, Claim, ClaimNote, ClaimOutcome, Claimed, Completion, Fence, FinishError,
+    IsolationLevel, LeaseWrite, Migration, Record, RecordRow, Scope, StoreErrorKind,
+    TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind, migrations, record_from_row,
+    release_savepoint, run_migrations,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).
@@ -56,27 +56,31 @@ impl Backend for Postgres {
         // One round trip. The statements run in the implicit transaction of
         // a multi-statement query until `BEGIN` turns it into an explicit
         // one that stays open for the handler, past the savepoint. The
-        // claim is `tower_idempotency_claim` (ledger v6): it inserts the
-        // row with its lock wait bounded for that insert alone (the
-        // function's `SET` clause puts the session's own `lock_timeout`
-        // back when it returns) and tells a lost claim by a value, with
-        // the row that holds the scope: no error on the server for a
-        // retry. `ON CONFLICT DO NOTHING` finds a committed row without
-        // writing a tuple (a replay writes nothing). A lock timeout or a
-        // serialization failure ends in an error that rolls everything
-        // back and leaves the connection idle. Several statements need the
-        // simple query protocol, which has no parameters, so every value
-        // is written as hex digits or a decimal integer: nothing from the
-        // request can change the statement.
+        // claim is `tower_idempotency_claim` (ledger v6): it takes the
+        // scope's advisory lock (a wait bounded inside the function, whose
+        // `SET` clause puts the session's own `lock_timeout` back when it
+        // returns), then reads the scope's row, or above READ COMMITTED
+        // inserts the `PROCESSING` row; won, lost (with the row that holds
+        // the scope) and still in flight are values, so a retry raises no
+        // error on the server, and a replay writes nothing. A serialization
+        // failure ends in an error that rolls everything back and leaves
+        // the connection idle. Several statements need the simple query
+        // protocol, which has no parameters, so every value is written as
+        // hex digits or a decimal integer: nothing from the request can
+        // change the statement.
         //
         // sqlx cannot both read a statement's rows and count the
         // transaction it opens, so the won transaction is handed over as
         // the raw connection (`Claimed::raw`): `finish` commits it in the
         // recording's batch, and nothing is queued after it.
         let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
+        // At READ COMMITTED the claim writes nothing and the finished row
+        // is inserted with the COMMIT; above it the PROCESSING row is
+        // inserted now (see the function).
+        let write = claim.isolation != IsolationLevel::ReadCommitted;
         let sql = format!(
             "SET TRANSACTION ISOLATION LEVEL {}; \
-             SELECT * FROM tower_idempotency_claim({}, {}, {}, {}, {}, {ms}); \
+             SELECT * FROM tower_idempotency_claim({}, {}, {}, {}, {}, {ms}, {write}); \
              BEGIN; {TAKE_SAVEPOINT}",
             claim.isolation.as_sql(),
             text(claim.scope.principal),
@@ -89,7 +93,14 @@ impl Backend for Postgres {
             .fetch_one(&mut *conn)
             .await?;
         let outcome = match row.try_get::<Option<bool>, _>(0)? {
-            Some(true) => return Ok(ClaimOutcome::Won(Claimed::raw(conn))),
+            Some(true) => {
+                let note = ClaimNote {
+                    fingerprint: claim.fingerprint.to_vec(),
+                    retention_ms: claim.retention_ms,
+                    written: write,
+                };
+                return Ok(ClaimOutcome::Won(Claimed::raw(conn, note)));
+            }
             // Lost: the row that holds the scope, as `fetch` reads it
             // (`None` when it was deleted meanwhile).
             Some(false) => ClaimOutcome::Lost(match row.try_get::<Option<String>, _>(1)? {
@@ -131,20 +142,32 @@ impl Backend for Postgres {
     ) -> Result<i64, FinishError> {
         // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, record
-        // (`tower_idempotency_finish`, which fails when the row is gone, so
-        // the COMMIT never runs without it), commit. The transaction's id
+        // (`tower_idempotency_finish` inserts the finished row, or updates
+        // the PROCESSING row the claim wrote; it fails when a row is there
+        // already, or gone, so the COMMIT never runs without the ledger
+        // row), commit. The transaction's id
         // rides along with the expiry, so that a connection lost during the
         // `COMMIT` can be explained (`txid_current()`: 64 bits with the
         // epoch, on every version, where PostgreSQL 13's
         // `pg_current_xact_id()` is not).
+        let Some(claim) = &tx.claim else {
+            tx.discard();
+            return Err(FinishError::Store(sqlx::Error::Protocol(
+                "a PostgreSQL claim is finished on the raw connection it made".into(),
+            )));
+        };
         let release = release_savepoint(c.status);
         let sql = format!(
             "{release}; \
-             SELECT tower_idempotency_finish({}, {}, {}, '{}', {}, {}, {}, {}), txid_current(); \
+             SELECT tower_idempotency_finish({}, {}, {}, {}, {}, {}, '{}', {}, {}, {}, {}), \
+             txid_current(); \
              COMMIT",
             text(scope.principal),
             text(scope.operation),
             text(scope.key),
+            bytea(&claim.fingerprint),
+            claim.retention_ms,
+            claim.written,
             c.status.as_str(),
             c.response_status,
             bytea(c.response_headers),
@@ -356,6 +379,7 @@ async fn run_commit(
     mut tx: Claimed<Postgres>,
     sql: String,
 ) -> Result<i64, FinishError> {
+    tx.committing();
     let (row, failed) = {
         let mut rows = sqlx::raw_sql(AssertSqlSafe(sql)).fetch(&mut *tx);
         let mut first = None;

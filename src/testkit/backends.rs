@@ -312,12 +312,15 @@ impl ConformanceDb for sqlx::Postgres {
         key: &str,
     ) -> Transaction<'static, Self> {
         let mut tx = pool.begin().await.unwrap();
+        // As a claim holds a scope: its advisory lock (see the claim
+        // function in migrations/postgres), and a PROCESSING row.
         let sql = format!(
-            "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
-             status, created_at, expires_at) VALUES ({}, {}, {}, '\\x00', 'PROCESSING', 0, 9000000000000)",
-            pg_lit(principal),
-            pg_lit(operation),
-            pg_lit(key)
+            "SELECT pg_advisory_xact_lock(1953064039, hashtext({p} || E'\\n' || {o} || E'\\n' || {k})); \
+             INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
+             status, created_at, expires_at) VALUES ({p}, {o}, {k}, '\\x00', 'PROCESSING', 0, 9000000000000)",
+            p = pg_lit(principal),
+            o = pg_lit(operation),
+            k = pg_lit(key)
         );
         sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
             .execute(&mut *tx)
