@@ -8,7 +8,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 c="${1:-8}"; t="${2:-8}"; r="${3:-2}"; shift 3 2>/dev/null || shift $#
-designs="${*:-bare v5 v6 v6_nosp one_write}"
+designs="${*:-bare v5 fn_two v6 v6_nosp}"
 db=ti_sql_bench
 url="${PG_HOST:-127.0.0.1}"
 psql -h "$url" -U postgres -qc "DROP DATABASE IF EXISTS $db" -c "CREATE DATABASE $db" >/dev/null

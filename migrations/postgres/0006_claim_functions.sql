@@ -33,65 +33,66 @@
 --          all NULL when it was deleted meanwhile;
 --   NULL:  another transaction's claim was still running after wait_ms.
 -- The insert's own wait on a row of a writer that took no advisory lock is
--- bounded by wait_ms too, and fails with lock_not_available. The SET clause
--- scopes both bounds: the caller's lock_timeout is back in force when the
--- function returns.
+-- bounded by wait_ms too, and fails with lock_not_available. Both bounds
+-- are set for the wait alone and the caller's lock_timeout put back after
+-- it (a wait that fails rolls its setting back with it); the usual claim,
+-- which finds the lock free, reads no setting and writes none.
 CREATE OR REPLACE FUNCTION tower_idempotency_claim(
     p_principal TEXT, p_operation TEXT, p_key TEXT, p_fingerprint BYTEA,
-    p_retention_ms BIGINT, p_wait_ms INTEGER, p_write BOOLEAN)
-RETURNS TABLE (
-    claimed BOOLEAN, status TEXT, request_fingerprint BYTEA, response_status INTEGER,
-    response_headers BYTEA, response_body BYTEA, resource_id TEXT, expires_at BIGINT,
-    past_expiry BIGINT, generation BIGINT, live BIGINT, recovery_point TEXT,
-    recovery_data BYTEA, pending_step TEXT, claim_id TEXT, parks BIGINT)
+    p_retention_ms BIGINT, p_wait_ms INTEGER, p_write BOOLEAN,
+    OUT claimed BOOLEAN, OUT status TEXT, OUT request_fingerprint BYTEA,
+    OUT response_status INTEGER, OUT response_headers BYTEA, OUT response_body BYTEA,
+    OUT resource_id TEXT, OUT expires_at BIGINT, OUT past_expiry BIGINT,
+    OUT generation BIGINT, OUT live BIGINT, OUT recovery_point TEXT,
+    OUT recovery_data BYTEA, OUT pending_step TEXT, OUT claim_id TEXT, OUT parks BIGINT)
 LANGUAGE plpgsql VOLATILE
-SET lock_timeout = 0
 AS $$
 #variable_conflict use_column
 DECLARE
     now_ms BIGINT;
     scope_hash INTEGER := hashtext(p_principal || E'\n' || p_operation || E'\n' || p_key);
+    saved TEXT;
 BEGIN
-    PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
     IF NOT pg_try_advisory_xact_lock(1953064039, scope_hash) THEN
+        saved := current_setting('lock_timeout');
         BEGIN
+            PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
             PERFORM pg_advisory_xact_lock(1953064039, scope_hash);
         EXCEPTION WHEN lock_not_available THEN
-            RETURN QUERY SELECT NULL::BOOLEAN, NULL::TEXT, NULL::BYTEA, NULL::INTEGER,
-                NULL::BYTEA, NULL::BYTEA, NULL::TEXT, NULL::BIGINT, NULL::BIGINT,
-                NULL::BIGINT, NULL::BIGINT, NULL::TEXT, NULL::BYTEA, NULL::TEXT,
-                NULL::TEXT, NULL::BIGINT;
             RETURN;
         END;
+        PERFORM set_config('lock_timeout', saved, true);
     END IF;
     IF p_write THEN
         now_ms := (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT;
+        saved := current_setting('lock_timeout');
+        PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
         INSERT INTO idempotency_records AS r
             (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at)
         VALUES (p_principal, p_operation, p_key, p_fingerprint, 'PROCESSING', now_ms,
                 now_ms + p_retention_ms)
         ON CONFLICT (principal_id, operation, idem_key) DO NOTHING;
-        IF FOUND THEN
-            RETURN QUERY SELECT true, NULL::TEXT, NULL::BYTEA, NULL::INTEGER, NULL::BYTEA,
-                NULL::BYTEA, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT,
-                NULL::BIGINT, NULL::TEXT, NULL::BYTEA, NULL::TEXT, NULL::TEXT, NULL::BIGINT;
+        claimed := FOUND;
+        PERFORM set_config('lock_timeout', saved, true);
+        IF claimed THEN
             RETURN;
         END IF;
     END IF;
     now_ms := (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT;
-    RETURN QUERY SELECT false, r.status, r.request_fingerprint, r.response_status,
-        r.response_headers, r.response_body, r.resource_id, r.expires_at,
-        CASE WHEN r.expires_at <= now_ms THEN 1::BIGINT ELSE 0::BIGINT END, r.generation,
-        CASE WHEN r.locked_until > now_ms THEN 1::BIGINT ELSE 0::BIGINT END,
-        r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::BIGINT
+    SELECT r.status, r.request_fingerprint, r.response_status, r.response_headers,
+        r.response_body, r.resource_id, r.expires_at,
+        CASE WHEN r.expires_at <= now_ms THEN 1 ELSE 0 END, r.generation,
+        CASE WHEN r.locked_until > now_ms THEN 1 ELSE 0 END,
+        r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks
+        INTO status, request_fingerprint, response_status, response_headers,
+        response_body, resource_id, expires_at, past_expiry, generation, live,
+        recovery_point, recovery_data, pending_step, claim_id, parks
         FROM idempotency_records r
         WHERE r.principal_id = p_principal COLLATE "default"
           AND r.operation = p_operation COLLATE "default" AND r.idem_key = p_key COLLATE "default";
-    IF NOT FOUND THEN
-        RETURN QUERY SELECT NOT p_write, NULL::TEXT, NULL::BYTEA, NULL::INTEGER, NULL::BYTEA,
-            NULL::BYTEA, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT, NULL::BIGINT,
-            NULL::TEXT, NULL::BYTEA, NULL::TEXT, NULL::TEXT, NULL::BIGINT;
-    END IF;
+    -- No row: the scope is this transaction's (it holds the lock), unless
+    -- the claim wrote and lost (the winner's row was deleted meanwhile).
+    claimed := NOT FOUND AND NOT p_write;
 END $$;
 
 -- Records the answer of a claimed scope and returns its expiry: without

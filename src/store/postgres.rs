@@ -83,10 +83,10 @@ impl Backend for Postgres {
              SELECT * FROM tower_idempotency_claim({}, {}, {}, {}, {}, {ms}, {write}); \
              BEGIN; {TAKE_SAVEPOINT}",
             claim.isolation.as_sql(),
-            text(claim.scope.principal),
-            text(claim.scope.operation),
-            text(claim.scope.key),
-            bytea(claim.fingerprint),
+            text_arg(claim.scope.principal),
+            text_arg(claim.scope.operation),
+            text_arg(claim.scope.key),
+            bytea_arg(claim.fingerprint),
             claim.retention_ms,
         );
         let row = sqlx::raw_sql(AssertSqlSafe(sql))
@@ -162,17 +162,17 @@ impl Backend for Postgres {
              SELECT tower_idempotency_finish({}, {}, {}, {}, {}, {}, '{}', {}, {}, {}, {}), \
              txid_current(); \
              COMMIT",
-            text(scope.principal),
-            text(scope.operation),
-            text(scope.key),
-            bytea(&claim.fingerprint),
+            text_arg(scope.principal),
+            text_arg(scope.operation),
+            text_arg(scope.key),
+            bytea_arg(&claim.fingerprint),
             claim.retention_ms,
             claim.written,
             c.status.as_str(),
             c.response_status,
-            bytea(c.response_headers),
-            bytea(c.response_body),
-            c.resource_id.map_or_else(|| "NULL".to_string(), text),
+            bytea_arg(c.response_headers),
+            bytea_arg(c.response_body),
+            c.resource_id.map_or_else(|| "NULL".to_string(), text_arg),
         );
         run_commit(pool, tx, sql).await
     }
@@ -562,6 +562,34 @@ fn text(value: &str) -> String {
     )
 }
 
+/// A text value as a function's argument: an escape string literal
+/// (`E'…'`, every backslash and quote doubled, so it reads the same under
+/// either `standard_conforming_strings`), which the server takes without a
+/// function call; a value with a NUL, which no PostgreSQL text can hold, is
+/// written as [`text`] writes it and fails there.
+fn text_arg(value: &str) -> String {
+    if value.contains('\0') {
+        return text(value);
+    }
+    let mut lit = String::with_capacity(value.len() + 3);
+    lit.push_str("E'");
+    for c in value.chars() {
+        match c {
+            '\\' => lit.push_str("\\\\"),
+            '\'' => lit.push_str("''"),
+            c => lit.push(c),
+        }
+    }
+    lit.push('\'');
+    lit
+}
+
+/// A `bytea` value as a function's argument: hex digits in an escape
+/// string literal (`E'\\x…'::bytea`).
+fn bytea_arg(value: &[u8]) -> String {
+    format!("E'\\\\x{}'::bytea", hex(value))
+}
+
 /// A `bytea` value as an SQL expression made of hex digits only.
 fn bytea(value: &[u8]) -> String {
     format!("decode('{}', 'hex')", hex(value))
@@ -636,6 +664,17 @@ mod tests {
             xact_status(&pool, aborted + (1 << 40), wait).await,
             XactStatus::Unknown
         );
+    }
+
+    #[test]
+    fn function_arguments_are_escaped_literals() {
+        assert_eq!(super::text_arg("a'b\\c"), "E'a''b\\\\c'");
+        assert_eq!(
+            super::text_arg("x'); DROP TABLE t; --"),
+            "E'x''); DROP TABLE t; --'"
+        );
+        assert!(super::text_arg("a\0b").starts_with("convert_from(decode('"));
+        assert_eq!(super::bytea_arg(&[0, 0xab]), "E'\\\\x00ab'::bytea");
     }
 
     #[test]

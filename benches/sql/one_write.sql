@@ -1,9 +1,0 @@
--- One write per first execution, in functions: an advisory transaction lock
--- on the scope and a read, then the finished row inserted with the COMMIT.
-\set n random(1, 9000000000000000000)
-\set s random(1, 64)
-SET TRANSACTION ISOLATION LEVEL READ COMMITTED \; SELECT bench_lock_read('user-42', 'POST /orders', 'k-' || :client_id || '-' || :n) \; BEGIN \; SAVEPOINT tower_idempotency_claimed;
-INSERT INTO orders (id, principal, body) VALUES (:client_id || '-' || :n, 'user-42', '{"currency":"KRW","items":[{"sku":"A-10","qty":1}],"amount":12000}');
-INSERT INTO order_items (order_id, line, sku, qty) VALUES (:client_id || '-' || :n, 1, 'sku-' || :s, 1);
-UPDATE stock SET qty = qty - 1 WHERE sku = 'sku-' || :s;
-RELEASE SAVEPOINT tower_idempotency_claimed \; SELECT bench_insert_final('user-42', 'POST /orders', 'k-' || :client_id || '-' || :n, decode('9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08', 'hex'), 201, decode('0001000c636f6e74656e742d74797065', 'hex'), convert_to('{"orderId":"o-0f7a6c2e-1b2c-4d5e-8f90-123456789abc","status":"CREATED","amount":12000,"currency":"KRW"}', 'UTF8'), NULL, 86400000), txid_current() \; COMMIT;
