@@ -595,25 +595,25 @@ fn designs(loopback: &[Point]) {
         ("bare", "the business transaction alone"),
         (
             "v5",
-            "ledger v5: literal claim with the division, lock-timeout save/restore, savepoint; update + COMMIT; BEGIN, then the pool's ROLLBACK",
+            "ledger v5 (before): literal claim with a division, lock-timeout save/restore, savepoint; update + `COMMIT; BEGIN`, the pool's `ROLLBACK`",
+        ),
+        (
+            "fn_two",
+            "the claim and recording functions writing twice: `PROCESSING` row inserted, then updated (v6 above READ COMMITTED)",
         ),
         (
             "v6",
-            "ledger v6 (built): claim and recording as plpgsql functions, advisory lock on the scope, savepoint; update + COMMIT",
+            "ledger v6 (built): advisory lock on the scope and a read in the claim function, savepoint; the finished row inserted with the `COMMIT`",
         ),
         (
             "v6_nosp",
-            "v6 without the savepoint (not a design: a final business error needs it)",
-        ),
-        (
-            "one_write",
-            "advisory lock + read, then the finished row inserted with the COMMIT (one write)",
+            "v6 without the savepoint (what it costs; a final business error needs it)",
         ),
     ];
     let mut ratios: Vec<Vec<String>> = vec![Vec::new(); what.len()];
     for conc in CONCURRENCY {
         let out = std::process::Command::new(script)
-            .args([conc.to_string(), "4".into(), "1".into()])
+            .args([conc.to_string(), "4".into(), "2".into()])
             .output();
         let Some(out) = out.ok().filter(|o| o.status.success()) else {
             println!("\n(design comparison skipped: {script} needs pgbench)");
