@@ -173,7 +173,11 @@
 //! gone when the layer records or rolls back): the request is answered
 //! `500` (`#transaction-ended`), the event is logged at error level, and
 //! the key answers `503` `#reconciling` (never "in flight", never a new
-//! execution) until an operator resolves it with a [`Reconciler`].
+//! execution) until an operator resolves it with a [`Reconciler`]. Between
+//! the handler's own `COMMIT` or `ROLLBACK` and the layer marking the key,
+//! the key is unprotected: on PostgreSQL at `READ COMMITTED`, whose claim
+//! writes no row until the recording, a duplicate waiting at that moment
+//! may run. A handler must never end the layer's transaction.
 //!
 //! # Cancellation and panics
 //!

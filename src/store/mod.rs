@@ -604,8 +604,11 @@ pub trait Backend: Database {
     fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Claims a scope on `conn`: begins the transaction that is handed to
-    /// the handler, inserts the `PROCESSING` row, and takes the savepoint
-    /// that final business errors roll back to. Waits for another claimer's
+    /// the handler, makes the scope its own (inserts the `PROCESSING` row;
+    /// PostgreSQL at `READ COMMITTED` holds the scope's advisory lock and
+    /// has [`finish`](Backend::finish) insert the finished row, the primary
+    /// key backing both), and takes the savepoint that final business
+    /// errors roll back to. Waits for another claimer's
     /// uncommitted row at most about `claim.lock_wait`, then fails with an
     /// error of kind [`StoreErrorKind::LockTimeout`].
     ///
@@ -618,8 +621,9 @@ pub trait Backend: Database {
         claim: &Claim<'_>,
     ) -> impl Future<Output = Result<ClaimOutcome<Self>, sqlx::Error>> + Send;
 
-    /// Writes the terminal state on the claimed row (for `FailedFinal`,
-    /// after rolling back to the claim's savepoint) and commits, checking
+    /// Writes the terminal state on the claimed row, or inserts it as a
+    /// finished row (for `FailedFinal`, after rolling back to the claim's
+    /// savepoint), and commits, checking
     /// first that the claimed transaction is still open (an error of kind
     /// [`StoreErrorKind::TransactionEnded`] when the savepoint is gone).
     /// Returns the key's `expires_at` (epoch milliseconds, database clock).
