@@ -598,16 +598,16 @@ fn designs(loopback: &[Point]) {
             "ledger v5 (before): literal claim with a division, lock-timeout save/restore, savepoint; update + `COMMIT; BEGIN`, the pool's `ROLLBACK`",
         ),
         (
-            "fn_two",
-            "the claim and recording functions writing twice: `PROCESSING` row inserted, then updated (v6 above READ COMMITTED)",
-        ),
-        (
             "v6",
-            "ledger v6 (built): advisory lock on the scope and a read in the claim function, savepoint; the finished row inserted with the `COMMIT`",
+            "ledger v6 (built): advisory lock on the scope and the `PROCESSING` row in the claim function, savepoint; the row updated by the recording function with the `COMMIT`",
         ),
         (
             "v6_nosp",
             "v6 without the savepoint (what it costs; a final business error needs it)",
+        ),
+        (
+            "one_write",
+            "advisory lock and a read, then the finished row inserted with the `COMMIT` (not chosen: nothing holds the key while the handler runs)",
         ),
     ];
     let mut ratios: Vec<Vec<String>> = vec![Vec::new(); what.len()];

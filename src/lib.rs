@@ -125,9 +125,12 @@
 //! winner's uncommitted row (bounded by the in-flight wait); it then sees
 //! the winner's committed row and replays it; if the winner rolls back, the
 //! loser claims the key and runs. On SQLite writers are serialized by the
-//! database lock. On PostgreSQL none of this is an error on the server: a
-//! replay, a lost race and a wait that runs out are values the claim
-//! returns, so the server log and its rollback count keep to real faults.
+//! database lock. On PostgreSQL at `READ COMMITTED` none of this is an
+//! error on the server: a replay, a lost race and a wait that runs out are
+//! values the claim returns, so the server log and its rollback count keep
+//! to real faults. (Above `READ COMMITTED` a duplicate whose snapshot
+//! predates the winner's commit still fails with a serialization error,
+//! read back and replayed.)
 //! A request that cannot settle within its bounds gets `409` with
 //! `Retry-After` and has changed nothing.
 //!
@@ -152,8 +155,8 @@
 //! (`READ COMMITTED` by default; [`IdempotencyLayer::with_isolation_level`]),
 //! set for that transaction only. The claim's bounded lock wait never
 //! changes a session setting: on PostgreSQL it is set inside the claim's
-//! function, whose `SET` clause puts the session's own `lock_timeout` back
-//! when it returns; on MySQL/MariaDB it applies to the claim's insert alone. The claim runs as a
+//! function for the wait alone and the session's own `lock_timeout` put
+//! back after it; on MySQL/MariaDB it applies to the claim's insert alone. The claim runs as a
 //! task of its own, so a response future dropped mid-claim never returns a
 //! connection to the pool halfway through it. Under `REPEATABLE READ` or
 //! `SERIALIZABLE`, a claim that loses to a concurrent one with a
@@ -173,11 +176,9 @@
 //! gone when the layer records or rolls back): the request is answered
 //! `500` (`#transaction-ended`), the event is logged at error level, and
 //! the key answers `503` `#reconciling` (never "in flight", never a new
-//! execution) until an operator resolves it with a [`Reconciler`]. Between
-//! the handler's own `COMMIT` or `ROLLBACK` and the layer marking the key,
-//! the key is unprotected: on PostgreSQL at `READ COMMITTED`, whose claim
-//! writes no row until the recording, a duplicate waiting at that moment
-//! may run. A handler must never end the layer's transaction.
+//! execution) until an operator resolves it with a [`Reconciler`]. (A
+//! `ROLLBACK` followed by more writes leaves the key unprotected until the
+//! layer marks it: a handler must never end the layer's transaction.)
 //!
 //! # Cancellation and panics
 //!

@@ -20,9 +20,11 @@
 //!   sqlx does not count it as a transaction (it cannot read a statement's
 //!   rows and count the transaction it opens): `begin()` there sends a
 //!   `BEGIN` the server ignores with a warning, and its `commit()` ends the
-//!   layer's transaction. The request is then answered `500`
-//!   `#transaction-ended` and the key held for reconciliation, as for any
-//!   handler that ends the transaction itself.
+//!   layer's transaction, with the claim's `PROCESSING` row: the request is
+//!   then answered `500` `#transaction-ended` and the key held for
+//!   reconciliation, as for any handler that ends the transaction itself,
+//!   and a duplicate meets the committed row and never runs again
+//!   (`tests/nested_begin.rs`).
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;

@@ -8,14 +8,14 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 c="${1:-8}"; t="${2:-8}"; r="${3:-2}"; shift 3 2>/dev/null || shift $#
-designs="${*:-bare v5 fn_two v6 v6_nosp}"
+designs="${*:-bare v5 v6 v6_nosp one_write}"
 db=ti_sql_bench
 url="${PG_HOST:-127.0.0.1}"
 psql -h "$url" -U postgres -qc "DROP DATABASE IF EXISTS $db" -c "CREATE DATABASE $db" >/dev/null
 for m in "$here"/../../migrations/postgres/*.sql; do
   psql -h "$url" -U postgres -d $db -q -v ON_ERROR_STOP=1 -f "$m" >/dev/null
 done
-psql -h "$url" -U postgres -d $db -q -v ON_ERROR_STOP=1 -f "$here/schema.sql" >/dev/null 2>&1
+psql -h "$url" -U postgres -d $db -q -v ON_ERROR_STOP=1 -f "$here/schema.sql" >/dev/null
 declare -A sum
 for _ in $(seq 1 "$r"); do
   for d in $designs $(echo $designs | tr ' ' '\n' | tac); do

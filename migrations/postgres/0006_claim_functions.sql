@@ -1,6 +1,5 @@
 -- tower-idempotency ledger v6, PostgreSQL: the default mode's claim and
--- recording as server-side functions, and one ledger write per first
--- execution.
+-- recording as server-side functions.
 -- A plpgsql function plans its statements once per session and keeps the
 -- plans, where a literal statement is parsed and planned on every request;
 -- and it can tell a lost claim as a value, so an ordinary retry raises no
@@ -13,33 +12,31 @@
 -- Every claim first takes a transaction advisory lock on the scope (class
 -- 1953064039, "tide", and the scope's hash: scopes whose hashes meet only
 -- wait on each other), so claims of one scope run one at a time. A claim
--- that finds the lock held waits for it at most wait_ms, in a block that
--- catches the timeout: a duplicate that waits raises no error, and nothing
--- of it reaches the server log.
--- Then, with p_write (the caller's transaction is REPEATABLE READ or
--- SERIALIZABLE, whose snapshot may predate a winner that committed while
--- this claim waited), the PROCESSING row is inserted: the primary key
--- decides, and a winner the snapshot cannot see is a serialization
--- failure. Without p_write (READ COMMITTED: each statement sees every
--- commit before it) the row is only read: none means the scope is this
--- transaction's while it holds the lock, and its row is inserted, finished,
--- with the COMMIT (tower_idempotency_finish), one write per first
--- execution. The primary key still backs that insert: a row that appeared
--- meanwhile (a writer that takes no advisory lock) fails it, and nothing
--- commits.
+-- that finds the lock held first reads the scope's row: a committed row
+-- answers at once (retries of a finished key never queue on the lock).
+-- Otherwise it waits for the lock at most wait_ms, in a block that catches
+-- the timeout: a duplicate that waits raises no error, and nothing of it
+-- reaches the server log. Then it inserts the PROCESSING row: the primary
+-- key decides who owns the scope, and a row that holds it (committed while
+-- this claim waited) is read back. The row is written at the claim, not
+-- only with the COMMIT, so that whatever commits while the scope is held
+-- (a handler that ends the transaction itself, say with a nested begin()
+-- and commit() on its connection) commits the PROCESSING row too, and a
+-- duplicate then meets it instead of running again.
 -- claimed is
 --   true:  the scope is this transaction's;
 --   false: a committed row holds the scope; the other columns are that row,
 --          all NULL when it was deleted meanwhile;
 --   NULL:  another transaction's claim was still running after wait_ms.
 -- The insert's own wait on a row of a writer that took no advisory lock is
--- bounded by wait_ms too, and fails with lock_not_available. Both bounds
--- are set for the wait alone and the caller's lock_timeout put back after
--- it (a wait that fails rolls its setting back with it); the usual claim,
--- which finds the lock free, reads no setting and writes none.
+-- bounded by wait_ms too, and fails with lock_not_available (at REPEATABLE
+-- READ or SERIALIZABLE, a winner that committed after this transaction's
+-- snapshot is a serialization failure there). Each bound is set for its
+-- wait alone and the caller's lock_timeout put back after it (a wait that
+-- fails rolls its setting back with it).
 CREATE OR REPLACE FUNCTION tower_idempotency_claim(
     p_principal TEXT, p_operation TEXT, p_key TEXT, p_fingerprint BYTEA,
-    p_retention_ms BIGINT, p_wait_ms INTEGER, p_write BOOLEAN,
+    p_retention_ms BIGINT, p_wait_ms INTEGER,
     OUT claimed BOOLEAN, OUT status TEXT, OUT request_fingerprint BYTEA,
     OUT response_status INTEGER, OUT response_headers BYTEA, OUT response_body BYTEA,
     OUT resource_id TEXT, OUT expires_at BIGINT, OUT past_expiry BIGINT,
@@ -54,29 +51,35 @@ DECLARE
     saved TEXT;
 BEGIN
     IF NOT pg_try_advisory_xact_lock(1953064039, scope_hash) THEN
-        saved := current_setting('lock_timeout');
-        BEGIN
-            PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
-            PERFORM pg_advisory_xact_lock(1953064039, scope_hash);
-        EXCEPTION WHEN lock_not_available THEN
-            RETURN;
-        END;
-        PERFORM set_config('lock_timeout', saved, true);
-    END IF;
-    IF p_write THEN
-        now_ms := (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT;
-        saved := current_setting('lock_timeout');
-        PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
-        INSERT INTO idempotency_records AS r
-            (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at)
-        VALUES (p_principal, p_operation, p_key, p_fingerprint, 'PROCESSING', now_ms,
-                now_ms + p_retention_ms)
-        ON CONFLICT (principal_id, operation, idem_key) DO NOTHING;
-        claimed := FOUND;
-        PERFORM set_config('lock_timeout', saved, true);
-        IF claimed THEN
-            RETURN;
+        SELECT true INTO claimed FROM idempotency_records r
+            WHERE r.principal_id = p_principal COLLATE "default"
+              AND r.operation = p_operation COLLATE "default"
+              AND r.idem_key = p_key COLLATE "default";
+        IF NOT FOUND THEN
+            saved := current_setting('lock_timeout');
+            BEGIN
+                PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
+                PERFORM pg_advisory_xact_lock(1953064039, scope_hash);
+            EXCEPTION WHEN lock_not_available THEN
+                claimed := NULL;
+                RETURN;
+            END;
+            PERFORM set_config('lock_timeout', saved, true);
         END IF;
+    END IF;
+    claimed := NULL;
+    now_ms := (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT;
+    saved := current_setting('lock_timeout');
+    PERFORM set_config('lock_timeout', p_wait_ms || 'ms', true);
+    INSERT INTO idempotency_records AS r
+        (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at)
+    VALUES (p_principal, p_operation, p_key, p_fingerprint, 'PROCESSING', now_ms,
+            now_ms + p_retention_ms)
+    ON CONFLICT (principal_id, operation, idem_key) DO NOTHING;
+    claimed := FOUND;
+    PERFORM set_config('lock_timeout', saved, true);
+    IF claimed THEN
+        RETURN;
     END IF;
     now_ms := (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT;
     SELECT r.status, r.request_fingerprint, r.response_status, r.response_headers,
@@ -90,48 +93,28 @@ BEGIN
         FROM idempotency_records r
         WHERE r.principal_id = p_principal COLLATE "default"
           AND r.operation = p_operation COLLATE "default" AND r.idem_key = p_key COLLATE "default";
-    -- No row: the scope is this transaction's (it holds the lock), unless
-    -- the claim wrote and lost (the winner's row was deleted meanwhile).
-    claimed := NOT FOUND AND NOT p_write;
 END $$;
 
--- Records the answer of a claimed scope and returns its expiry: without
--- p_written, inserts the finished row (the claim wrote nothing; a row that
--- is there already fails the insert, so nothing commits); with it, updates
--- the PROCESSING row the claim inserted (a row that is gone, say a handler
--- deleted it, is an error). Either way the COMMIT that follows in the same
--- query never runs without the ledger row. The insert waits on another
--- writer's uncommitted row of the scope (one that took no advisory lock) at
--- most 5 s, then fails with lock_not_available; the SET clause puts the
--- caller's lock_timeout back when the function returns.
+-- Records the answer on the calling transaction's PROCESSING row and
+-- returns the row's expiry. A row that is gone (a handler deleted it) is an
+-- error, so the COMMIT that follows in the same query never runs without
+-- the ledger row.
 CREATE OR REPLACE FUNCTION tower_idempotency_finish(
-    p_principal TEXT, p_operation TEXT, p_key TEXT, p_fingerprint BYTEA,
-    p_retention_ms BIGINT, p_written BOOLEAN, p_status TEXT, p_response_status INTEGER,
-    p_response_headers BYTEA, p_response_body BYTEA, p_resource_id TEXT)
+    p_principal TEXT, p_operation TEXT, p_key TEXT, p_status TEXT,
+    p_response_status INTEGER, p_response_headers BYTEA, p_response_body BYTEA,
+    p_resource_id TEXT)
 RETURNS BIGINT
 LANGUAGE plpgsql VOLATILE
-SET lock_timeout = '5s'
 AS $$
 DECLARE
-    now_ms BIGINT := (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT;
     expiry BIGINT;
 BEGIN
-    IF NOT p_written THEN
-        INSERT INTO idempotency_records
-            (principal_id, operation, idem_key, request_fingerprint, status, response_status,
-             response_headers, response_body, resource_id, created_at, expires_at)
-        VALUES (p_principal, p_operation, p_key, p_fingerprint, p_status, p_response_status,
-                p_response_headers, p_response_body, p_resource_id, now_ms,
-                now_ms + p_retention_ms);
-        RETURN now_ms + p_retention_ms;
-    END IF;
     UPDATE idempotency_records
         SET status = p_status, response_status = p_response_status,
             response_headers = p_response_headers, response_body = p_response_body,
             resource_id = p_resource_id
         WHERE principal_id = p_principal COLLATE "default" AND operation = p_operation COLLATE "default"
-          AND idem_key = p_key COLLATE "default"
-          AND status = 'PROCESSING'
+          AND idem_key = p_key COLLATE "default" AND status = 'PROCESSING'
         RETURNING expires_at INTO expiry;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'the idempotency ledger row is gone';

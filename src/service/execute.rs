@@ -189,11 +189,10 @@ impl<DB: Backend> Run<DB> {
 
     /// The handler ended the claimed transaction itself: whatever it
     /// committed stays (with the `PROCESSING` row, after a `COMMIT`; without
-    /// it, after a `ROLLBACK` followed by more writes, or where the claim
-    /// writes no row until the recording). Hold the key so that it answers
-    /// "outcome unknown" until an operator resolves it: the committed row
-    /// is marked, a missing one inserted. Between the handler's own
-    /// `COMMIT` or `ROLLBACK` and this, the key may have been unprotected: a
+    /// it, after a `ROLLBACK` followed by more writes). Hold the key so that
+    /// it answers "outcome unknown" until an operator resolves it: the
+    /// committed row is marked, a missing one inserted. Between the
+    /// handler's own `ROLLBACK` and this, the key was unprotected: a
     /// handler must never end the layer's transaction.
     async fn strand(&self, id: &Identity<'_>, handler_status: i32) {
         let claim = Claim {

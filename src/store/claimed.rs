@@ -13,8 +13,8 @@
 //! handler, a dropped future), its connection never returns to the pool
 //! inside the transaction: a `Transaction` queues its rollback as sqlx
 //! does, and a raw connection is rolled back by a task of its own, or
-//! closed (the server then rolls back) when no runtime is there or the
-//! rollback fails.
+//! closed (the server then rolls back) when the rollback fails. (Like any
+//! pooled connection, it needs the tokio runtime it came from to go back.)
 
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
@@ -30,20 +30,6 @@ const ROLLBACK_WAIT: Duration = Duration::from_secs(5);
 /// connection the handler's statements run on.
 pub struct Claimed<DB: Database> {
     inner: Inner<DB>,
-    /// What the recording of a raw claim needs to know of it.
-    pub(crate) claim: Option<ClaimNote>,
-}
-
-/// What a raw claim's recording needs to know of the claim.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-pub(crate) struct ClaimNote {
-    /// The request fingerprint.
-    pub(crate) fingerprint: Vec<u8>,
-    /// The retention, in milliseconds from the claim.
-    pub(crate) retention_ms: i64,
-    /// Whether the claim wrote the `PROCESSING` row (else the recording
-    /// inserts the finished row).
-    pub(crate) written: bool,
 }
 
 enum Inner<DB: Database> {
@@ -63,7 +49,6 @@ impl<DB: Database> From<Transaction<'static, DB>> for Claimed<DB> {
     fn from(tx: Transaction<'static, DB>) -> Self {
         Self {
             inner: Inner::Transaction(tx),
-            claim: None,
         }
     }
 }
@@ -79,13 +64,12 @@ impl<DB: Database> Claimed<DB> {
     /// transaction, which sqlx does not count: the backend's own `finish`
     /// ends it (see [`Claimed::ended`]).
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) fn raw(conn: PoolConnection<DB>, claim: ClaimNote) -> Self
+    pub(crate) fn raw(conn: PoolConnection<DB>) -> Self
     where
         for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     {
         Self {
             inner: Inner::Raw(Some(conn), |conn| Box::pin(rollback_raw(conn))),
-            claim: Some(claim),
         }
     }
 
@@ -94,10 +78,7 @@ impl<DB: Database> Claimed<DB> {
     pub fn into_transaction(mut self) -> Result<Transaction<'static, DB>, Self> {
         match self.take() {
             Inner::Transaction(tx) => Ok(tx),
-            raw => Err(Self {
-                inner: raw,
-                claim: self.claim.take(),
-            }),
+            raw => Err(Self { inner: raw }),
         }
     }
 
@@ -147,7 +128,12 @@ impl<DB: Database> Claimed<DB> {
             Inner::Transaction(tx) => {
                 let _ = tx.rollback().await;
             }
-            Inner::Raw(Some(conn), rollback) => rollback(conn).await,
+            // A task of its own: a caller dropped while the rollback waits
+            // (say, behind a statement the handler abandoned) never returns
+            // the connection to the pool inside the transaction.
+            Inner::Raw(Some(conn), rollback) => {
+                let _ = tokio::spawn(rollback(conn)).await;
+            }
             Inner::Raw(None, _) => {}
         }
     }

@@ -9,7 +9,7 @@
 //!
 //! | backend | claim | waiting on an in-flight duplicate |
 //! |---|---|---|
-//! | PostgreSQL | `INSERT … ON CONFLICT DO NOTHING` inside `tower_idempotency_claim` (ledger v6), which returns won, lost (with the committed row) or still in flight as a value, never as an error | the claim waits on the first claimer's transaction advisory lock on the scope, bounded by a `lock_timeout` the function sets and its `SET` clause puts back; a wait that runs out is caught inside the function |
+//! | PostgreSQL | `INSERT … ON CONFLICT DO NOTHING` inside `tower_idempotency_claim` (ledger v6), which returns won, lost (with the committed row) or still in flight as a value, never as an error | the claim waits on the first claimer's transaction advisory lock on the scope, bounded by a `lock_timeout` the function sets for the wait alone and puts back; a wait that runs out is caught inside the function |
 //! | SQLite | `INSERT … ON CONFLICT DO NOTHING` in a `BEGIN IMMEDIATE` transaction | writers are serialized; the wait is the connection's `busy_timeout` (`SqliteConnectOptions::busy_timeout`, 5 s by default), and a busy database answers `503` |
 //! | MySQL/MariaDB | a plain `INSERT`, a duplicate key reported by the driver's unique-violation signal | the insert blocks on the uncommitted row, bounded by `innodb_lock_wait_timeout` set **for that one statement** (`SET STATEMENT … FOR` on MariaDB, the `SET_VAR` hint on MySQL 8), so no session setting ever changes |
 //!
@@ -61,8 +61,6 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-#[cfg(feature = "postgres")]
-use claimed::ClaimNote;
 pub use claimed::Claimed;
 pub(crate) use lease::{CLAIM_ID, claim_data};
 pub use lease::{Fence, LeaseRecord, LeaseWrite};
@@ -604,13 +602,11 @@ pub trait Backend: Database {
     fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Claims a scope on `conn`: begins the transaction that is handed to
-    /// the handler, makes the scope its own (inserts the `PROCESSING` row;
-    /// PostgreSQL at `READ COMMITTED` holds the scope's advisory lock and
-    /// has [`finish`](Backend::finish) insert the finished row, the primary
-    /// key backing both), and takes the savepoint that final business
-    /// errors roll back to. Waits for another claimer's
-    /// uncommitted row at most about `claim.lock_wait`, then fails with an
-    /// error of kind [`StoreErrorKind::LockTimeout`].
+    /// the handler, inserts the `PROCESSING` row, and takes the savepoint
+    /// that final business errors roll back to. Waits for another
+    /// claimer's uncommitted row at most about `claim.lock_wait`, then
+    /// fails with an error of kind [`StoreErrorKind::LockTimeout`] (or
+    /// returns [`ClaimOutcome::InFlight`], as PostgreSQL does).
     ///
     /// Not cancellation-safe: a future dropped while the claim's statements
     /// are on the wire can leave the connection inside a transaction that
@@ -621,9 +617,8 @@ pub trait Backend: Database {
         claim: &Claim<'_>,
     ) -> impl Future<Output = Result<ClaimOutcome<Self>, sqlx::Error>> + Send;
 
-    /// Writes the terminal state on the claimed row, or inserts it as a
-    /// finished row (for `FailedFinal`, after rolling back to the claim's
-    /// savepoint), and commits, checking
+    /// Writes the terminal state on the claimed row (for `FailedFinal`,
+    /// after rolling back to the claim's savepoint) and commits, checking
     /// first that the claimed transaction is still open (an error of kind
     /// [`StoreErrorKind::TransactionEnded`] when the savepoint is gone).
     /// Returns the key's `expires_at` (epoch milliseconds, database clock).

@@ -4,16 +4,16 @@ use std::future::poll_fn;
 use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::Postgres;
+use sqlx::postgres::{PgRow, Postgres};
 use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
 
 use super::lease::Dialect;
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimNote, ClaimOutcome, Claimed, Completion, Fence, FinishError,
-    IsolationLevel, LeaseWrite, Migration, Record, RecordRow, Scope, StoreErrorKind,
-    TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT, generic_error_kind, migrations, record_from_row,
-    release_savepoint, run_migrations,
+    Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
+    LeaseWrite, Migration, Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT,
+    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, record_from_row, release_savepoint,
+    run_migrations,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).
@@ -57,14 +57,13 @@ impl Backend for Postgres {
         // a multi-statement query until `BEGIN` turns it into an explicit
         // one that stays open for the handler, past the savepoint. The
         // claim is `tower_idempotency_claim` (ledger v6): it takes the
-        // scope's advisory lock (a wait bounded inside the function, whose
-        // `SET` clause puts the session's own `lock_timeout` back when it
-        // returns), then reads the scope's row, or above READ COMMITTED
-        // inserts the `PROCESSING` row; won, lost (with the row that holds
-        // the scope) and still in flight are values, so a retry raises no
-        // error on the server, and a replay writes nothing. A serialization
-        // failure ends in an error that rolls everything back and leaves
-        // the connection idle. Several statements need the simple query
+        // scope's advisory lock (a wait bounded inside the function, the
+        // session's own `lock_timeout` put back after it), then inserts the
+        // `PROCESSING` row; won, lost (with the row that holds the scope)
+        // and still in flight are values, so a retry raises no error on the
+        // server, and a replay writes nothing. A serialization failure
+        // (above READ COMMITTED) ends in an error that rolls everything
+        // back and leaves the connection idle. Several statements need the simple query
         // protocol, which has no parameters, so every value is written as
         // hex digits or a decimal integer: nothing from the request can
         // change the statement.
@@ -74,13 +73,9 @@ impl Backend for Postgres {
         // the raw connection (`Claimed::raw`): `finish` commits it in the
         // recording's batch, and nothing is queued after it.
         let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
-        // At READ COMMITTED the claim writes nothing and the finished row
-        // is inserted with the COMMIT; above it the PROCESSING row is
-        // inserted now (see the function).
-        let write = claim.isolation != IsolationLevel::ReadCommitted;
         let sql = format!(
             "SET TRANSACTION ISOLATION LEVEL {}; \
-             SELECT * FROM tower_idempotency_claim({}, {}, {}, {}, {}, {ms}, {write}); \
+             SELECT * FROM tower_idempotency_claim({}, {}, {}, {}, {}, {ms}); \
              BEGIN; {TAKE_SAVEPOINT}",
             claim.isolation.as_sql(),
             text_arg(claim.scope.principal),
@@ -92,38 +87,15 @@ impl Backend for Postgres {
         let row = sqlx::raw_sql(AssertSqlSafe(sql))
             .fetch_one(&mut *conn)
             .await?;
-        let outcome = match row.try_get::<Option<bool>, _>(0)? {
-            Some(true) => {
-                let note = ClaimNote {
-                    fingerprint: claim.fingerprint.to_vec(),
-                    retention_ms: claim.retention_ms,
-                    written: write,
-                };
-                return Ok(ClaimOutcome::Won(Claimed::raw(conn, note)));
+        // From here the connection is inside the transaction: on an error
+        // it is closed, never pooled.
+        let outcome = match claim_outcome(&row) {
+            Ok(Some(outcome)) => outcome,
+            Ok(None) => return Ok(ClaimOutcome::Won(Claimed::raw(conn))),
+            Err(e) => {
+                conn.close_on_drop();
+                return Err(e);
             }
-            // Lost: the row that holds the scope, as `fetch` reads it
-            // (`None` when it was deleted meanwhile).
-            Some(false) => ClaimOutcome::Lost(match row.try_get::<Option<String>, _>(1)? {
-                Some(_) => Some(Box::new(record_from_row((
-                    row.try_get(1)?,
-                    row.try_get(2)?,
-                    row.try_get(3)?,
-                    row.try_get(4)?,
-                    row.try_get(5)?,
-                    row.try_get(6)?,
-                    row.try_get(7)?,
-                    row.try_get(8)?,
-                    row.try_get(9)?,
-                    row.try_get(10)?,
-                    row.try_get(11)?,
-                    row.try_get(12)?,
-                    row.try_get(13)?,
-                    row.try_get(14)?,
-                    row.try_get(15)?,
-                ))?)),
-                None => None,
-            }),
-            None => ClaimOutcome::InFlight,
         };
         // The transaction wrote nothing; ending it with COMMIT keeps the
         // server's rollback count for real failures.
@@ -142,32 +114,20 @@ impl Backend for Postgres {
     ) -> Result<i64, FinishError> {
         // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, record
-        // (`tower_idempotency_finish` inserts the finished row, or updates
-        // the PROCESSING row the claim wrote; it fails when a row is there
-        // already, or gone, so the COMMIT never runs without the ledger
-        // row), commit. The transaction's id
+        // (`tower_idempotency_finish`, which fails when the row is gone, so
+        // the COMMIT never runs without it), commit. The transaction's id
         // rides along with the expiry, so that a connection lost during the
         // `COMMIT` can be explained (`txid_current()`: 64 bits with the
         // epoch, on every version, where PostgreSQL 13's
         // `pg_current_xact_id()` is not).
-        let Some(claim) = &tx.claim else {
-            tx.discard();
-            return Err(FinishError::Store(sqlx::Error::Protocol(
-                "a PostgreSQL claim is finished on the raw connection it made".into(),
-            )));
-        };
         let release = release_savepoint(c.status);
         let sql = format!(
             "{release}; \
-             SELECT tower_idempotency_finish({}, {}, {}, {}, {}, {}, '{}', {}, {}, {}, {}), \
-             txid_current(); \
+             SELECT tower_idempotency_finish({}, {}, {}, '{}', {}, {}, {}, {}), txid_current(); \
              COMMIT",
             text_arg(scope.principal),
             text_arg(scope.operation),
             text_arg(scope.key),
-            bytea_arg(&claim.fingerprint),
-            claim.retention_ms,
-            claim.written,
             c.status.as_str(),
             c.response_status,
             bytea_arg(c.response_headers),
@@ -424,6 +384,36 @@ async fn run_commit(
         // Too old to be known, or no answer: the layer reads the ledger.
         XactStatus::Unknown => Err(FinishError::Store(e)),
     }
+}
+
+/// What the claim function's row says: `None` when the claim was won; a
+/// lost claim with the row that holds the scope, as `fetch` reads it
+/// (`None` when it was deleted meanwhile); or still in flight.
+fn claim_outcome(row: &PgRow) -> Result<Option<ClaimOutcome<Postgres>>, sqlx::Error> {
+    Ok(Some(match row.try_get::<Option<bool>, _>(0)? {
+        Some(true) => return Ok(None),
+        Some(false) => ClaimOutcome::Lost(match row.try_get::<Option<String>, _>(1)? {
+            Some(_) => Some(Box::new(record_from_row((
+                row.try_get(1)?,
+                row.try_get(2)?,
+                row.try_get(3)?,
+                row.try_get(4)?,
+                row.try_get(5)?,
+                row.try_get(6)?,
+                row.try_get(7)?,
+                row.try_get(8)?,
+                row.try_get(9)?,
+                row.try_get(10)?,
+                row.try_get(11)?,
+                row.try_get(12)?,
+                row.try_get(13)?,
+                row.try_get(14)?,
+                row.try_get(15)?,
+            ))?)),
+            None => None,
+        }),
+        None => ClaimOutcome::InFlight,
+    }))
 }
 
 /// How lease statements write literals and read the clock.
