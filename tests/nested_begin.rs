@@ -10,12 +10,14 @@ use std::time::Duration;
 
 use http::{Request, Response, StatusCode};
 use sqlx::{Connection, PgPool};
+use tower::ServiceBuilder;
 use tower::util::BoxCloneService;
-use tower::{ServiceBuilder, ServiceExt};
-use tower_idempotency::testkit::ConformanceDb;
-use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Principal, Tx};
+use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Tx};
 
-type App = BoxCloneService<Request<String>, Response<IdempotencyBody<String>>, Infallible>;
+#[path = "common/orders_app.rs"]
+mod orders_app;
+
+use orders_app::{App, orders_db, post};
 
 /// One instance whose handler writes its order in a nested `begin()` /
 /// `commit()`, then takes its time answering.
@@ -44,24 +46,13 @@ fn instance(pool: PgPool) -> App {
 }
 
 fn send(app: &App) -> impl Future<Output = StatusCode> + Send + 'static {
-    let app = app.clone();
-    let mut req = Request::post("/orders")
-        .header("idempotency-key", "\"nested\"")
-        .body(String::new())
-        .unwrap();
-    req.extensions_mut().insert(Principal::new("user-42"));
-    async move { app.oneshot(req).await.unwrap().status() }
+    post(app, "/orders", "nested", "{}", 0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nested_commit_in_the_handler_never_lets_a_duplicate_run() {
-    let (url, _drop) = <sqlx::Postgres as ConformanceDb>::fresh_url().await;
+    let (url, _drop) = orders_db().await;
     let setup = PgPool::connect(&url).await.unwrap();
-    tower_idempotency::migrate(&setup).await.unwrap();
-    sqlx::raw_sql("CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, n INT NOT NULL)")
-        .execute(&setup)
-        .await
-        .unwrap();
     // Two instances, so the duplicate waits in the database.
     let a = instance(PgPool::connect(&url).await.unwrap());
     let b = instance(PgPool::connect(&url).await.unwrap());

@@ -12,13 +12,17 @@ use std::time::Duration;
 
 use http::{Request, Response, StatusCode};
 use sqlx::{PgPool, Row};
+use tower::ServiceBuilder;
 use tower::util::BoxCloneService;
-use tower::{ServiceBuilder, ServiceExt};
-use tower_idempotency::testkit::{ConformanceDb, pg_admin_url};
-use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Principal, Tx};
+use tower_idempotency::testkit::pg_admin_url;
+use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Tx};
 
+#[path = "common/orders_app.rs"]
+mod orders_app;
 #[path = "common/pg_log.rs"]
 mod pg_log;
+
+use orders_app::{App, orders_db, post as send};
 
 /// `(xact_commit, xact_rollback)` of `db`, once the counters are still:
 /// a backend reports its counts when it ends, shortly after its pool is
@@ -83,37 +87,10 @@ fn instance(pool: PgPool) -> App {
     BoxCloneService::new(service)
 }
 
-type App = BoxCloneService<Request<String>, Response<IdempotencyBody<String>>, Infallible>;
-
-fn send(
-    service: &App,
-    path: &str,
-    key: &str,
-    body: &str,
-    delay_ms: u64,
-) -> impl Future<Output = StatusCode> + Send + 'static {
-    let service = service.clone();
-    let mut req = Request::post(path)
-        .header("idempotency-key", format!("\"{key}\""))
-        .header("content-type", "application/json")
-        .header("x-delay-ms", delay_ms.to_string())
-        .body(body.to_string())
-        .unwrap();
-    req.extensions_mut().insert(Principal::new("user-42"));
-    async move { service.oneshot(req).await.unwrap().status() }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ordinary_outcomes_raise_no_server_error_and_roll_nothing_back() {
-    let (url, _drop) = <sqlx::Postgres as ConformanceDb>::fresh_url().await;
+    let (url, _drop) = orders_db().await;
     let db = url.rsplit('/').next().unwrap().to_string();
-    let setup = PgPool::connect(&url).await.unwrap();
-    tower_idempotency::migrate(&setup).await.unwrap();
-    sqlx::raw_sql("CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, n INT NOT NULL)")
-        .execute(&setup)
-        .await
-        .unwrap();
-    setup.close().await;
     let admin = PgPool::connect(&pg_admin_url()).await.unwrap();
     let log = pg_log::ServerLog::open();
     let (commits_before, rollbacks_before) = counters(&admin, &db).await;
