@@ -27,7 +27,10 @@ use sqlx::{Database, Transaction};
 const ROLLBACK_WAIT: Duration = Duration::from_secs(5);
 
 /// The connection of a claimed transaction: dereferences to the
-/// connection the handler's statements run on.
+/// connection the handler's statements run on. Owned by one request at a
+/// time (the layer's [`Tx`](crate::Tx) hands it out under a lock); dropped
+/// unfinished, it never returns its connection to the pool inside the
+/// transaction (see the module docs).
 pub struct Claimed<DB: Database> {
     inner: Inner<DB>,
 }
