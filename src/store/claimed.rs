@@ -30,7 +30,8 @@ const ROLLBACK_WAIT: Duration = Duration::from_secs(5);
 /// connection the handler's statements run on. Owned by one request at a
 /// time (the layer's [`Tx`](crate::Tx) hands it out under a lock); dropped
 /// unfinished, it never returns its connection to the pool inside the
-/// transaction (see the module docs).
+/// transaction: a sqlx transaction queues its rollback, a raw connection is
+/// rolled back by a task of its own or closed.
 pub struct Claimed<DB: Database> {
     inner: Inner<DB>,
 }
