@@ -12,12 +12,12 @@ use http::{Request, Response, StatusCode};
 use sqlx::{Connection, PgPool};
 use tower::ServiceBuilder;
 use tower::util::BoxCloneService;
-use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Tx};
+use tower_idempotency::{IdempotencyBody, IdempotencyLayer};
 
 #[path = "common/orders_app.rs"]
 mod orders_app;
 
-use orders_app::{App, orders_db, post};
+use orders_app::{App, claimed_tx, orders_db, post};
 
 /// One instance whose handler writes its order in a nested `begin()` /
 /// `commit()`, then takes its time answering.
@@ -25,11 +25,7 @@ fn instance(pool: PgPool) -> App {
     let service = ServiceBuilder::new()
         .layer(IdempotencyLayer::new(pool))
         .service_fn(|req: Request<IdempotencyBody<String>>| async move {
-            let tx = req
-                .extensions()
-                .get::<Tx<sqlx::Postgres>>()
-                .cloned()
-                .unwrap();
+            let tx = claimed_tx(&req);
             {
                 let mut conn = tx.lock().unwrap();
                 let mut nested = conn.begin().await.unwrap();

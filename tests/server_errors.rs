@@ -15,14 +15,14 @@ use sqlx::{PgPool, Row};
 use tower::ServiceBuilder;
 use tower::util::BoxCloneService;
 use tower_idempotency::testkit::pg_admin_url;
-use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Tx};
+use tower_idempotency::{IdempotencyBody, IdempotencyLayer};
 
 #[path = "common/orders_app.rs"]
 mod orders_app;
 #[path = "common/pg_log.rs"]
 mod pg_log;
 
-use orders_app::{App, orders_db, post as send};
+use orders_app::{App, claimed_tx, orders_db, post as send};
 
 /// `(xact_commit, xact_rollback)` of `db`, once the counters are still:
 /// a backend reports its counts when it ends, shortly after its pool is
@@ -63,11 +63,7 @@ fn instance(pool: PgPool) -> App {
                 .get("x-delay-ms")
                 .and_then(|v| v.to_str().ok()?.parse().ok())
                 .unwrap_or(0);
-            let tx = req
-                .extensions()
-                .get::<Tx<sqlx::Postgres>>()
-                .cloned()
-                .unwrap();
+            let tx = claimed_tx(&req);
             {
                 let mut conn = tx.lock().unwrap();
                 sqlx::raw_sql("INSERT INTO orders (n) VALUES (1)")

@@ -9,7 +9,7 @@ use sqlx::PgPool;
 use tower::ServiceExt;
 use tower::util::BoxCloneService;
 use tower_idempotency::testkit::{Cleanup, ConformanceDb};
-use tower_idempotency::{IdempotencyBody, Principal};
+use tower_idempotency::{IdempotencyBody, Principal, Tx};
 
 /// An application instance behind the layer.
 pub type App = BoxCloneService<Request<String>, Response<IdempotencyBody<String>>, Infallible>;
@@ -46,4 +46,12 @@ pub fn post(
         .unwrap();
     req.extensions_mut().insert(Principal::new("user-42"));
     async move { app.oneshot(req).await.unwrap().status() }
+}
+
+/// The claimed transaction the layer put in `req`.
+pub fn claimed_tx(req: &Request<IdempotencyBody<String>>) -> Tx<sqlx::Postgres> {
+    req.extensions()
+        .get::<Tx<sqlx::Postgres>>()
+        .cloned()
+        .expect("the layer claimed this request")
 }
