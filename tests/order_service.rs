@@ -2,18 +2,15 @@
 //! on PostgreSQL and SQLite, judged by the rows in its database.
 
 mod common;
+#[path = "common/http.rs"]
+mod http_call;
 
-use std::process::Stdio;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{HeaderMap, Method, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
-use serde_json::Value;
+use http::{Method, StatusCode};
+use http_call::{Answer, http_call, try_http_call};
 use sqlx::Pool;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 use tower_idempotency::testkit::{Cleanup, ConformanceDb as TestDb};
 
 /// One running service on its own database.
@@ -123,98 +120,7 @@ async fn spawn(url: &str, delay_ms: u64) -> (Child, String) {
 const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 
 async fn spawn_with(url: &str, delay_ms: u64, env: &[(&str, &str)]) -> (Child, String) {
-    let mut child = Command::new(common::example("order_service"))
-        .args([
-            "--addr",
-            "127.0.0.1:0",
-            "--handler-delay-ms",
-            &delay_ms.to_string(),
-        ])
-        .env("DATABASE_URL", url)
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(stdout).lines();
-    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-        .await
-        .expect("the service starts")
-        .unwrap()
-        .expect("a start-up line");
-    let addr = common::address(&line);
-    (child, addr)
-}
-
-#[derive(Debug, Clone)]
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
-    }
-
-    fn problem_type(&self) -> String {
-        self.json()["type"].as_str().unwrap_or_default().to_string()
-    }
-
-    fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-}
-
-async fn http_call(
-    addr: &str,
-    method: Method,
-    path: &str,
-    principal: Option<&str>,
-    key: Option<&str>,
-    body: &str,
-) -> Answer {
-    try_http_call(addr, method, path, principal, key, body)
-        .await
-        .unwrap()
-}
-
-/// One request on a fresh connection; `Err` when the connection dies.
-async fn try_http_call(
-    addr: &str,
-    method: Method,
-    path: &str,
-    principal: Option<&str>,
-    key: Option<&str>,
-    body: &str,
-) -> Result<Answer, hyper::Error> {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-    tokio::spawn(conn);
-    let mut req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", addr)
-        .header("content-type", "application/json");
-    if let Some(p) = principal {
-        req = req.header("authorization", format!("Bearer {p}"));
-    }
-    if let Some(k) = key {
-        req = req.header("idempotency-key", k);
-    }
-    let res = sender
-        .send_request(req.body(Full::new(Bytes::from(body.to_string()))).unwrap())
-        .await?;
-    let (parts, body) = res.into_parts();
-    Ok(Answer {
-        status: parts.status,
-        headers: parts.headers,
-        body: body.collect().await?.to_bytes(),
-    })
+    common::order_service(url, delay_ms, env).await
 }
 
 const ORDER: &str = r#"{"currency":"KRW","items":[{"sku":"A-10","qty":2}],"amount":12000}"#;

@@ -39,3 +39,35 @@ pub fn address(line: &str) -> String {
         .unwrap_or_else(|| panic!("unexpected start-up line {line:?}"))
         .to_string()
 }
+
+/// Starts the example order service on `url` (`--addr 127.0.0.1:0`, the
+/// handler delay), with `env` added; the process (killed when dropped) and
+/// its `HOST:PORT`.
+pub async fn order_service(
+    url: &str,
+    delay_ms: u64,
+    env: &[(&str, &str)],
+) -> (tokio::process::Child, String) {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let mut child = tokio::process::Command::new(example("order_service"))
+        .args([
+            "--addr",
+            "127.0.0.1:0",
+            "--handler-delay-ms",
+            &delay_ms.to_string(),
+        ])
+        .env("DATABASE_URL", url)
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(std::time::Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("the service starts")
+        .unwrap()
+        .expect("a start-up line");
+    (child, address(&line))
+}
