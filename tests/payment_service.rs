@@ -486,6 +486,7 @@ e2e!(
     sigterm_lets_the_payment_in_progress_finish,
     j_stale_owner_of_a_deleted_claim_charges_nothing,
     k_provider_down_is_a_plain_retryable_503,
+    l_a_claim_lost_with_its_payment_is_charged_once,
 );
 
 /// 401 without a principal, 400 for an invalid body (nothing claimed),
@@ -1157,4 +1158,29 @@ async fn k_provider_down_is_a_plain_retryable_503<DB: TestDb>() {
     s = Service::start(&w.url, &w.provider.url(), CRASH).await;
     let retry = s.pay(KEY).await;
     w.judge_captured("k) provider back", &s, &retry).await;
+}
+
+/// l) The provider charged, then the database lost the claim and the
+/// pending payment with it, as a standby promoted under asynchronous
+/// replication loses the last commits (here: the service is SIGKILLed
+/// while the provider holds its answer, and both rows are deleted). The
+/// client's retry finds no record and makes a new claim. Its step key
+/// derives from what the retry presents again (principal, operation, key,
+/// payload), not from the lost claim, so the provider recognises the
+/// charge: one charge, and the answer names it.
+async fn l_a_claim_lost_with_its_payment_is_charged_once<DB: TestDb>() {
+    let (w, mut s) = World::<DB>::start(CRASH).await;
+    w.provider.hang(10_000).await;
+    let pending = s.pay_in_background(KEY);
+    w.provider.wait_for_charges(1).await;
+    s.kill().await;
+    assert!(pending.await.unwrap().is_err(), "the client saw the crash");
+    DB::exec(&w.pool, "DELETE FROM payments").await;
+    DB::exec(&w.pool, "DELETE FROM idempotency_records").await;
+    let s = w.service(s.flags).await;
+    let retry = s.pay(KEY).await;
+    let counts = w
+        .judge_captured("l) claim lost with its payment", &s, &retry)
+        .await;
+    assert_eq!(counts.generation, 1, "a new claim: {counts:?}");
 }

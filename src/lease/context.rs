@@ -50,8 +50,9 @@ pub(crate) struct Inner<DB: Backend> {
     /// The claim's id as stored (`None` for a row claimed before the
     /// ledger stored it): the fence names it.
     pub(crate) claim_id: Option<String>,
-    /// What every step key mixes in: the claim id (or, for an older row,
-    /// the one its saved data holds).
+    /// What every step key mixes in: the claim id's seed (see
+    /// [`step_seed`](super::step_seed); for an older row, of the id its
+    /// saved data holds).
     pub(crate) step_seed: String,
     /// How often the row was parked before this attempt took it.
     pub(crate) parks: i64,
@@ -103,15 +104,15 @@ impl<DB: Backend> Leased<DB> {
         state.progressed = state.point.is_some()
             || state.pending.is_some()
             || state.data.keys().any(|k| k != CLAIM_ID);
-        let step_seed = match &saved.claim_id {
-            Some(id) => id.clone(),
+        let claim_id = match &saved.claim_id {
+            Some(id) => id.as_str(),
             None => state
                 .data
                 .get(CLAIM_ID)
                 .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned(),
+                .unwrap_or_default(),
         };
+        let step_seed = super::step_seed(claim_id).to_owned();
         Ok(Self {
             inner: Arc::new(Inner {
                 pool,

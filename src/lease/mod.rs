@@ -69,8 +69,8 @@
 //!   runs, or inside an open phase (or after the final phase began), is
 //!   refused with [`LeaseError::Misuse`]; a step begun while an earlier
 //!   step's outcome is unknown parks the record. The name `~claim` in the
-//!   saved data is reserved (the claim's random id, part of every step
-//!   key).
+//!   saved data is reserved (the claim's id, whose seed is part of every
+//!   step key).
 //! - **Takeover.** A duplicate that finds a live lease waits (bounded by
 //!   [`with_in_flight_wait`](crate::IdempotencyLayer::with_in_flight_wait)), then
 //!   gets `409` + `Retry-After`. One that finds the lease lapsed takes the
@@ -255,15 +255,31 @@ pub(crate) fn check_name(name: &str) -> Result<(), LeaseError> {
     })
 }
 
-/// A new claim's random id (128 bits, hex): every fenced write names it,
-/// and every [`StepKey`] mixes it in, so a key used again after its record
-/// was deleted or purged never meets its old owner or its old steps.
-pub(crate) fn new_claim_id() -> String {
+/// A new claim's id: the request's step seed, a dot, and 96 random bits
+/// (hex). Every fenced write names the whole id, so a key used again
+/// after its record was deleted or purged never meets its old owner. Every
+/// [`StepKey`] mixes in the seed alone ([`step_seed`]), which derives from
+/// the request's fingerprint: a retry that finds no record (its claim was
+/// lost with a database failover, say) makes a new claim with the same
+/// seed, and asks the provider again under the same step keys.
+pub(crate) fn new_claim_id(fingerprint: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    let seed = Sha256::new()
+        .chain_update(b"tower-idempotency step seed\n")
+        .chain_update(fingerprint)
+        .finalize();
     format!(
-        "{:016x}{:016x}",
+        "{}.{:016x}{:08x}",
+        crate::store::hex(&seed[..16]),
         crate::random::random_u64(),
-        crate::random::random_u64()
+        crate::random::random_u64() as u32
     )
+}
+
+/// The part of a claim id that step keys mix in: before the dot, or the
+/// whole id of a claim made before step seeds (a random id alone).
+pub(crate) fn step_seed(claim_id: &str) -> &str {
+    claim_id.split_once('.').map_or(claim_id, |(seed, _)| seed)
 }
 
 /// The settings of lease mode; see the [module docs](self).

@@ -13,12 +13,22 @@ use sha2::{Digest, Sha256};
 use super::{LeaseError, Leased};
 use crate::store::{Backend, LeaseWrite, Scope, UnresolvedRecord};
 
-/// The idempotency key of one external step, derived from the ledger row
-/// (principal, operation, key, and a random id drawn at the claim) and the
-/// step's name: the same in every attempt and takeover of the request,
-/// different for every step and every request, a key used again after its
-/// record was purged included. Send it to the provider as its idempotency key, so a
-/// call repeated after a crash is deduplicated there. 64 hex digits.
+/// The idempotency key of one external step, derived from what every retry
+/// of the request presents again (principal, operation, key, and the
+/// request's fingerprint, kept in the claim id) and the step's name: the
+/// same in every attempt and takeover of the request, and in a new claim
+/// made after the record was lost (a failover that lost the last commits),
+/// different for every step and for every other request, a key used again
+/// with another payload after its record was purged included. Send it to
+/// the provider as its idempotency key, so a call repeated after a crash
+/// or a failover is deduplicated there. 64 hex digits.
+///
+/// The trade-off: a key used again after its record was purged, with a
+/// byte-for-byte identical request, derives the same step keys. A provider
+/// that still remembers them answers with the first call's result instead
+/// of acting again: the same request under the same key is treated as the
+/// same intent, never charged twice. (Rows claimed by earlier versions
+/// keep their random claim id as the seed.)
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct StepKey(String);
 
@@ -33,7 +43,7 @@ impl StepKey {
     /// without a claim id (the default mode, or a row claimed before the
     /// ledger stored claim ids).
     pub fn of(record: &UnresolvedRecord, name: &str) -> Option<Self> {
-        let seed = record.claim_id.as_deref()?;
+        let seed = super::step_seed(record.claim_id.as_deref()?);
         Some(Self::derive(&record.scope(), seed, name))
     }
 

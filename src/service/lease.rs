@@ -80,7 +80,7 @@ impl<DB: Backend> Run<DB> {
                 lock_wait: left.clamp(Duration::from_millis(1), MIN_READ_WAIT),
                 isolation: cfg.isolation,
             };
-            let claim_id = new_claim_id();
+            let claim_id = new_claim_id(id.fingerprint.as_bytes());
             let owning = Owning::Claim {
                 claim: OwnedClaim::new(&claim),
                 lease_ms: mode.lease_ms(),
