@@ -65,8 +65,9 @@ pub enum Resolution {
     /// and runs that step again (with the same step key). Give it only when
     /// the provider proves the step had no effect: a record with nothing
     /// saved may then be deleted as a bare claim by a resume function that
-    /// follows the rule for those, and its next request gets a new claim,
-    /// with new step keys.
+    /// follows the rule for those, and its next request gets a new claim
+    /// (with the same step keys, which derive from the request: no step of
+    /// a bare claim ever reached the provider).
     Rerun,
 }
 

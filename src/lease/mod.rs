@@ -7,15 +7,16 @@
 //! mode. What changes:
 //!
 //! - **Claim.** The ledger row commits at once as `PROCESSING`, with a lease
-//!   (`locked_until`, on the database's clock), a random claim id and a
-//!   fencing `generation` (1). The handler gets a [`Leased`] context (an
+//!   (`locked_until`, on the database's clock), a claim id (the request's
+//!   step seed and random bits, see [`StepKey`]) and a fencing
+//!   `generation` (1). The handler gets a [`Leased`] context (an
 //!   axum extractor, or the request extension) with the key, the
 //!   generation, the last recovery point, the pending step and what was
 //!   saved.
 //! - **A fence names the claim.** Every write of an attempt names the
 //!   claim id and its generation, in the statement of the write. A row
 //!   deleted (a bare claim the completer removed), purged or expired and
-//!   then claimed again has another claim id, so an owner of the earlier
+//!   then claimed again has another claim id (its random part), so an owner of the earlier
 //!   row is refused at its first write, though both rows start at
 //!   generation 1.
 //! - **Local phases.** [`Leased::phase`] opens a transaction for business

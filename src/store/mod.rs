@@ -384,7 +384,7 @@ pub struct LeaseState {
     /// An external step that may have run and whose outcome is not
     /// recorded.
     pub pending_step: Option<String>,
-    /// The random id of the claim that made the row (`None` for rows
+    /// The id of the claim that made the row (`None` for rows
     /// claimed before the ledger stored it): with the generation, what
     /// every fenced write names.
     pub claim_id: Option<String>,
