@@ -13,7 +13,7 @@ use tower_service::Service;
 use super::claim::MIN_READ_WAIT;
 use super::{
     BoxError, CatchUnwind, IdempotencyOutcome, Identity, Run, buffered, expiry_header,
-    read_response, refuse, store_problem,
+    read_response, refuse, store_problem, within,
 };
 use crate::body::IdempotencyBody;
 use crate::classify::Classification;
@@ -22,7 +22,7 @@ use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
 use crate::store::{
-    Backend, Claim, Claimed, Completion, FinishError, RecordStatus, StoreErrorKind,
+    Backend, Claim, Claimed, Completion, FinishError, Record, RecordStatus, StoreErrorKind,
 };
 use crate::tx::Tx;
 
@@ -55,11 +55,11 @@ impl<DB: Backend> Run<DB> {
         drop(handle);
         let res = match result {
             Err(panic) => {
-                self.abandon(tx, id, 500).await;
+                self.abandon::<ResBody>(tx, id, 500).await;
                 resume_unwind(panic);
             }
             Ok(Err(e)) => {
-                self.abandon(tx, id, 500).await;
+                self.abandon::<ResBody>(tx, id, 500).await;
                 return Err(e);
             }
             Ok(Ok(res)) => res,
@@ -77,8 +77,8 @@ impl<DB: Backend> Run<DB> {
         let (res_parts, body) = match read_response(res, self.config.max_response_body).await {
             Ok(res) => res.into_parts(),
             Err(problem) => {
-                if self.abandon(Some(tx), id, handler_status).await {
-                    return Ok(transaction_ended());
+                if let Some(ended) = self.abandon(Some(tx), id, handler_status).await {
+                    return Ok(ended);
                 }
                 return Ok(refuse(problem, 1));
             }
@@ -93,8 +93,8 @@ impl<DB: Backend> Run<DB> {
             Classification::Success => RecordStatus::Succeeded,
             Classification::FinalFailure => RecordStatus::FailedFinal,
             Classification::Rejected | Classification::Transient => {
-                if self.abandon(Some(tx), id, handler_status).await {
-                    return Ok(transaction_ended());
+                if let Some(ended) = self.abandon(Some(tx), id, handler_status).await {
+                    return Ok(ended);
                 }
                 return Ok(buffered(Response::from_parts(res_parts, body), outcome));
             }
@@ -138,10 +138,12 @@ impl<DB: Backend> Run<DB> {
             Err(FinishError::Store(e)) => e,
         };
         match DB::error_kind(&e) {
-            StoreErrorKind::TransactionEnded => {
-                self.strand(id, handler_status).await;
-                Ok(transaction_ended())
-            }
+            StoreErrorKind::TransactionEnded => Ok(self.ended(id, handler_status).await),
+            // The database rolled the transaction back (a deadlock, a
+            // serialization failure, a Galera certification conflict at
+            // COMMIT): the request that conflicted may have recorded this
+            // key's answer.
+            StoreErrorKind::Conflict => Ok(self.rolled_back(id, &e).await),
             StoreErrorKind::ConnectionLost => {
                 // The commit may or may not have landed, and the store could
                 // not tell: ask the ledger.
@@ -164,27 +166,103 @@ impl<DB: Backend> Run<DB> {
 
     /// Rolls the claimed transaction back and waits for it, so the key's row
     /// lock is released before the answer leaves (a queued rollback could
-    /// leave the next retry waiting). Returns `true` when the handler had
-    /// ended the transaction itself: the key is then marked for
-    /// reconciliation.
-    async fn abandon(
+    /// leave the next retry waiting). Returns the answer to give instead
+    /// of the handler's when the transaction had ended before (see
+    /// [`ended`](Self::ended)).
+    async fn abandon<B>(
         &self,
         tx: Option<Claimed<DB>>,
         id: &Identity<'_>,
         handler_status: i32,
-    ) -> bool {
-        let Some(mut tx) = tx else { return false };
+    ) -> Option<Response<IdempotencyBody<B>>> {
+        let mut tx = tx?;
         let ended = DB::check_savepoint(&mut tx)
             .await
             .is_err_and(|e| DB::error_kind(&e) == StoreErrorKind::TransactionEnded);
-        if ended {
+        if !ended {
+            tx.rollback().await;
+            return None;
+        }
+        if DB::CLAIMS_RUN_WITHOUT_AUTOCOMMIT {
+            // Whatever ran after the end is uncommitted: rolled back.
+            tx.rollback().await;
+        } else {
             // Whatever the handler left open is closed with its connection.
             tx.discard();
-            self.strand(id, handler_status).await;
-        } else {
-            tx.rollback().await;
         }
-        ended
+        Some(self.ended(id, handler_status).await)
+    }
+
+    /// The claimed transaction was found ended, not by the layer (its
+    /// savepoint is gone). Where claims run without autocommit
+    /// ([`Backend::CLAIMS_RUN_WITHOUT_AUTOCOMMIT`]) and the claim's
+    /// `PROCESSING` row did not commit, nothing of this execution
+    /// committed: the server rolled the transaction back (a deadlock, or on
+    /// Galera a replicated writer's abort), and whatever the handler sent
+    /// afterwards was rolled back with the claim. The ledger then says what
+    /// to answer ([`rolled_back`](Self::rolled_back)). Otherwise the
+    /// handler ended it itself, and what it committed is kept: the key is
+    /// held for reconciliation.
+    async fn ended<B>(
+        &self,
+        id: &Identity<'_>,
+        handler_status: i32,
+    ) -> Response<IdempotencyBody<B>> {
+        if DB::CLAIMS_RUN_WITHOUT_AUTOCOMMIT {
+            let read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+            let own_row_committed = match &read {
+                Ok(Some(record)) => matches!(
+                    record.status,
+                    RecordStatus::Processing | RecordStatus::NeedsReconciliation
+                ),
+                Ok(None) => false,
+                // Whether the handler committed is unknown: hold the key.
+                Err(_) => true,
+            };
+            if !own_row_committed {
+                return self.answer_after_rollback(id, read);
+            }
+        }
+        self.strand(id, handler_status).await;
+        transaction_ended()
+    }
+
+    /// The database rolled the claimed transaction back (`e`): nothing of
+    /// this execution committed. Replays the answer recorded since by the
+    /// request that won the key (on Galera, the duplicate on another node
+    /// whose commit was certified first), else asks for a retry.
+    async fn rolled_back<B>(
+        &self,
+        id: &Identity<'_>,
+        e: &sqlx::Error,
+    ) -> Response<IdempotencyBody<B>> {
+        tracing::warn!(error = %e, "the claimed transaction was rolled back by the database");
+        let read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+        self.answer_after_rollback(id, read)
+    }
+
+    /// What to answer once nothing of this execution committed, given the
+    /// key's committed record: the recorded answer (or the refusal) it
+    /// calls for, else `503` `#transaction-conflict` with `Retry-After`.
+    fn answer_after_rollback<B>(
+        &self,
+        id: &Identity<'_>,
+        read: Result<Option<Record>, sqlx::Error>,
+    ) -> Response<IdempotencyBody<B>> {
+        match read {
+            Ok(Some(record)) => {
+                let (res, outcome) = self.judge(&record, id, 1);
+                buffered(res, outcome)
+            }
+            Ok(None) => {
+                let detail = "the database rolled the transaction back (a conflict with a concurrent one); nothing was committed, retry with the same key";
+                refuse(
+                    Problem::new(ProblemKind::TransactionConflict, detail).retry_after(1),
+                    1,
+                )
+            }
+            Err(e) => refuse(store_problem::<DB>(&e), 1),
+        }
     }
 
     /// The handler ended the claimed transaction itself: whatever it

@@ -45,9 +45,9 @@ enum Inner<DB: Database> {
 
 /// Rolls a raw connection's transaction back within [`ROLLBACK_WAIT`], or
 /// marks the connection to be closed when it goes.
-type RollbackFn<DB> = fn(PoolConnection<DB>) -> BoxFuture<()>;
+pub(crate) type RollbackFn<DB> = fn(PoolConnection<DB>) -> BoxFuture<()>;
 
-type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+pub(crate) type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
 impl<DB: Database> From<Transaction<'static, DB>> for Claimed<DB> {
     fn from(tx: Transaction<'static, DB>) -> Self {
@@ -72,8 +72,15 @@ impl<DB: Database> Claimed<DB> {
     where
         for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     {
+        Self::raw_with(conn, |conn| Box::pin(rollback_raw(conn, "ROLLBACK")))
+    }
+
+    /// A raw claimed connection that `rollback` ends (and puts back as the
+    /// pool handed it out: a backend that changed a session setting for the
+    /// claim restores it there), within [`ROLLBACK_WAIT`], or closes.
+    pub(crate) fn raw_with(conn: PoolConnection<DB>, rollback: RollbackFn<DB>) -> Self {
         Self {
-            inner: Inner::Raw(Some(conn), |conn| Box::pin(rollback_raw(conn))),
+            inner: Inner::Raw(Some(conn), rollback),
         }
     }
 
@@ -143,14 +150,14 @@ impl<DB: Database> Claimed<DB> {
     }
 }
 
-/// Rolls back a raw connection's transaction within [`ROLLBACK_WAIT`], or
-/// closes the connection (the server then rolls back).
-async fn rollback_raw<DB: Database>(mut conn: PoolConnection<DB>)
+/// Rolls back a raw connection's transaction with `sql` within
+/// [`ROLLBACK_WAIT`], or closes the connection (the server then rolls
+/// back).
+pub(crate) async fn rollback_raw<DB: Database>(mut conn: PoolConnection<DB>, sql: &'static str)
 where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
 {
-    let done =
-        tokio::time::timeout(ROLLBACK_WAIT, sqlx::raw_sql("ROLLBACK").execute(&mut *conn)).await;
+    let done = tokio::time::timeout(ROLLBACK_WAIT, sqlx::raw_sql(sql).execute(&mut *conn)).await;
     if !matches!(done, Ok(Ok(_))) {
         conn.close_on_drop();
     }

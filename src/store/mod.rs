@@ -597,6 +597,20 @@ pub enum ClaimOutcome<DB: Database> {
 /// session setting on a connection. The `testkit` feature's conformance
 /// suite checks an implementation against the whole contract.
 pub trait Backend: Database {
+    /// Whether a claimed transaction runs with autocommit off, so that
+    /// once the server has rolled it back on its own (a deadlock, a lock
+    /// wait timeout, or on a Galera cluster a certification conflict or a
+    /// replicated writer's abort), nothing the handler sends afterwards
+    /// commits unless it sends `COMMIT` itself: the layer then rolls it
+    /// all back, and a claimed transaction found ended whose `PROCESSING`
+    /// row never committed committed nothing. `true` for MySQL/MariaDB,
+    /// where statements after such a rollback would otherwise commit one
+    /// by one; `false` elsewhere (PostgreSQL keeps a failed transaction
+    /// open and refuses every statement until it ends; SQLite's claims
+    /// hold the database's one write lock), where a transaction found
+    /// ended always holds the key for reconciliation.
+    const CLAIMS_RUN_WITHOUT_AUTOCOMMIT: bool = false;
+
     /// Applies the missing versioned migrations, under a lock. Safe to
     /// re-run and to run from several instances at once.
     fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;

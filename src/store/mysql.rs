@@ -1,9 +1,10 @@
 //! MySQL and MariaDB (InnoDB).
 
 use sqlx::mysql::{MySql, MySqlDatabaseError};
-use sqlx::pool::{MaybePoolConnection, PoolConnection};
+use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 
+use super::claimed::rollback_raw;
 use super::lease::{Dialect, commit_if_written, x_literal};
 use super::literal::hex;
 use super::{
@@ -11,6 +12,21 @@ use super::{
     LeaseWrite, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
     generic_error_kind, migrations, release_savepoint, run_migrations, shared_statements,
 };
+
+/// Ends a claimed transaction that is not committed: rolls it back (or
+/// does nothing when there is none) and turns autocommit back on, as the
+/// pool handed the connection out.
+const END_CLAIM: &str = "ROLLBACK; SET autocommit = 1";
+
+/// For one statement, on a Galera node: wait until the node has applied
+/// what the cluster committed before the statement began (reads, updates,
+/// deletes, inserts), so it sees other nodes' commits. Nothing elsewhere.
+macro_rules! sync_wait {
+    () => {
+        "wsrep_sync_wait = 15"
+    };
+}
+const SYNC_WAIT: &str = sync_wait!();
 
 /// The database clock, epoch milliseconds, in UTC arithmetic only (no
 /// session time zone conversion).
@@ -30,6 +46,8 @@ const MIGRATIONS: &[Migration] = migrations!(
 );
 
 impl Backend for MySql {
+    const CLAIMS_RUN_WITHOUT_AUTOCOMMIT: bool = true;
+
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
         // MySQL's DDL commits implicitly, so the lock is a named session
         // lock; the connection is closed afterwards (never pooled holding
@@ -63,35 +81,38 @@ impl Backend for MySql {
         conn: PoolConnection<Self>,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        // Round trip 1. `SET TRANSACTION` (without SESSION) applies to the
-        // next transaction only. (An error does not end a MySQL
-        // transaction, so the insert cannot ride in this round trip: a lost
-        // claim would leave the transaction open behind sqlx's back.)
-        let begin = format!(
-            "SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION",
-            claim.isolation.as_sql()
-        );
-        let mut tx = Transaction::begin(
-            MaybePoolConnection::PoolConnection(conn),
-            Some(AssertSqlSafe(begin).into_sql_str()),
-        )
-        .await?;
-        // Round trip 2: insert, savepoint. InnoDB counts lock waits in
-        // whole seconds. The bound applies to the insert alone (MariaDB's
-        // `SET STATEMENT … FOR`, MySQL 8's `SET_VAR` hint; each server
-        // ignores the other's form), so no session setting changes. A plain
-        // insert: a duplicate key is the driver's unique-violation error,
-        // which ends the statement and the rest of the message, not the
-        // transaction. Not `ON DUPLICATE KEY UPDATE`, whose affected-row
-        // count is 1 for a no-op update when the client asks for found
-        // rows, as sqlx does; not `INSERT IGNORE`, which also swallows
-        // unrelated errors. Values are hex literals. Rounded to the
-        // nearest second; MariaDB takes 0 (fail at once, for the first
-        // attempt's short probe), MySQL at least 1.
+        // One round trip: autocommit off for the claim's session, begin,
+        // insert, savepoint. `SET TRANSACTION` (without SESSION) applies to
+        // the next transaction only. With autocommit off, a statement the
+        // handler sends after the server rolled the transaction back
+        // itself (a deadlock, a lock wait timeout with
+        // `innodb_rollback_on_timeout`, or on Galera a certification
+        // conflict or a replicated writer's abort) opens a new transaction
+        // that nothing commits, instead of committing on its own: business
+        // rows never commit without the ledger row. `finish` and every
+        // rollback (`END_CLAIM`) turn autocommit back on before the
+        // connection goes back to the pool.
+        //
+        // The insert: InnoDB counts lock waits in whole seconds, bounded
+        // for the insert alone (MariaDB's `SET STATEMENT … FOR`, MySQL 8's
+        // `SET_VAR` hint; each server ignores the other's form). On a
+        // Galera node it first waits until the node has applied every
+        // transaction the cluster committed before it (`wsrep_sync_wait`,
+        // for this statement only), so a retry sent to another node
+        // right after the answer finds the recorded row. A plain insert: a
+        // duplicate key is the driver's unique-violation error, which ends
+        // the statement and the rest of the batch, not the transaction. Not
+        // `ON DUPLICATE KEY UPDATE`, whose affected-row count is 1 for a
+        // no-op update when the client asks for found rows, as sqlx does;
+        // not `INSERT IGNORE`, which also swallows unrelated errors. Values
+        // are hex literals. Rounded to the nearest second; MariaDB takes 0
+        // (fail at once, for the first attempt's short probe), MySQL at
+        // least 1.
         let secs = claim.lock_wait.as_secs_f64().round().clamp(0.0, 3600.0) as u64;
         let mysql_secs = secs.max(1);
         let sql = format!(
-            "/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ \
+            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION; \
+             /*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs}, {SYNC_WAIT} FOR */ \
              INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
              VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); \
@@ -101,20 +122,25 @@ impl Backend for MySql {
             hex(claim.scope.key.as_bytes()),
             hex(claim.fingerprint),
             claim.retention_ms,
+            isolation = claim.isolation.as_sql(),
             now = now_ms!(),
         );
-        match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await {
-            Ok(_) => Ok(ClaimOutcome::Won(tx.into())),
+        let mut claimed = Claimed::raw_with(conn, |conn| Box::pin(rollback_raw(conn, END_CLAIM)));
+        match sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&mut *claimed)
+            .await
+        {
+            Ok(_) => Ok(ClaimOutcome::Won(claimed)),
             // The driver's own signal, never a parsed message.
             Err(e)
                 if e.as_database_error()
                     .is_some_and(|d| d.is_unique_violation()) =>
             {
-                tx.rollback().await?;
+                claimed.rollback().await;
                 Ok(ClaimOutcome::Lost(None))
             }
             Err(e) => {
-                let _ = tx.rollback().await;
+                claimed.rollback().await;
                 Err(e)
             }
         }
@@ -122,20 +148,20 @@ impl Backend for MySql {
 
     async fn finish(
         _pool: &Pool<Self>,
-        tx: Claimed<Self>,
+        mut tx: Claimed<Self>,
         scope: &Scope<'_>,
         c: &Completion<'_>,
     ) -> Result<i64, FinishError> {
-        let mut tx = super::claimed_transaction(tx)?;
         // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, record,
-        // read the expiry, commit. The read fails (a scalar subquery of two
-        // rows) when the recorded row is missing, so the COMMIT never runs
-        // without it. The trailing `START TRANSACTION` opens an empty
-        // transaction that matches sqlx's count of one open transaction;
-        // its rollback is queued when `tx` drops. A connection lost during
-        // the COMMIT is left to the layer's re-read of the ledger
-        // (`FinishError::Store`).
+        // read the expiry, commit, and turn autocommit back on. The read
+        // fails (a scalar subquery of two rows) when the recorded row is
+        // missing, so the COMMIT never runs without it. On any error the
+        // transaction is rolled back (`END_CLAIM`, which restores
+        // autocommit; a `ROLLBACK` after a `COMMIT` that landed finds no
+        // transaction and does nothing), or the connection closed. A
+        // connection lost during the COMMIT is left to the layer's re-read
+        // of the ledger (`FinishError::Store`).
         let release = release_savepoint(c.status);
         let resource = c.resource_id.map_or_else(
             || "NULL".to_string(),
@@ -157,15 +183,18 @@ impl Backend for MySql {
              SELECT (SELECT expires_at FROM {recorded} \
              UNION ALL SELECT -1 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded}) \
              UNION ALL SELECT -2 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded})); \
-             COMMIT; START TRANSACTION",
+             COMMIT; SET autocommit = 1",
             c.response_status,
             hex(c.response_headers),
             hex(c.response_body),
         );
         match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
-            Ok(rows) => Ok(rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?),
+            Ok(rows) => {
+                tx.ended();
+                Ok(rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?)
+            }
             Err(e) => {
-                let _ = tx.rollback().await;
+                tx.rollback().await;
                 Err(e.into())
             }
         }
@@ -181,7 +210,9 @@ impl Backend for MySql {
     shared_statements!(
         MySql,
         fetch = concat!(
-            "SELECT status, request_fingerprint, response_status, response_headers, \
+            "/*M!100301 SET STATEMENT ",
+            sync_wait!(),
+            " FOR */ SELECT status, request_fingerprint, response_status, response_headers, \
              response_body, resource_id, expires_at, \
              CASE WHEN expires_at <= ",
             now_ms!(),
