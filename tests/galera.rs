@@ -1,0 +1,354 @@
+//! MariaDB Galera (multi-primary): the example order service with one
+//! instance on each of two nodes of a three-node cluster that this test
+//! starts and stops itself (`tests/common/galera.rs`). Judged by the rows
+//! the cluster holds: one order, one stock decrement and one ledger row per
+//! key, no order without its ledger row, and every answer the recorded one
+//! or a retryable `503`/`409`, never a `500`.
+//!
+//! `GALERA_ROUNDS` (default 6) sets how many rounds of the concurrent case
+//! run; one round in three runs with both cores kept busy.
+
+mod common;
+#[path = "common/galera.rs"]
+mod galera;
+#[path = "common/http.rs"]
+mod http_call;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use galera::Cluster;
+use http::{Method, StatusCode};
+use http_call::{Answer, http_call};
+use sqlx::MySqlPool;
+use tokio::process::Child;
+
+const ORDER: &str = r#"{"currency":"KRW","items":[{"sku":"A-10","qty":1}],"amount":12000}"#;
+
+/// One example order service on one node.
+struct Instance {
+    _child: Child,
+    addr: String,
+}
+
+impl Instance {
+    async fn start(url: &str, delay_ms: u64) -> Self {
+        let (child, addr) = common::order_service(url, delay_ms, &[]).await;
+        Self {
+            _child: child,
+            addr,
+        }
+    }
+
+    async fn order(&self, key: &str) -> Answer {
+        http_call(
+            &self.addr,
+            Method::POST,
+            "/orders",
+            Some("user-42"),
+            Some(&format!("\"{key}\"")),
+            ORDER,
+        )
+        .await
+    }
+}
+
+/// What the cluster holds, read on `pool`'s node after it caught up.
+#[derive(Debug, PartialEq, Eq)]
+struct Rows {
+    orders: i64,
+    ledger: i64,
+    succeeded: i64,
+    /// Orders no ledger row names: executions the ledger does not know.
+    unledgered: i64,
+    /// Ledger rows that name no order.
+    orphaned: i64,
+    stock_taken: i64,
+}
+
+async fn rows(pool: &MySqlPool) -> Rows {
+    let one = |sql: &'static str| async move {
+        sqlx::query_scalar::<_, i64>(sql)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    };
+    sqlx::raw_sql("SET SESSION wsrep_sync_wait = 1")
+        .execute(pool)
+        .await
+        .unwrap();
+    Rows {
+        orders: one("SELECT COUNT(*) FROM orders").await,
+        ledger: one("SELECT COUNT(*) FROM idempotency_records").await,
+        succeeded: one("SELECT COUNT(*) FROM idempotency_records WHERE status = 'SUCCEEDED'").await,
+        unledgered: one("SELECT COUNT(*) FROM orders o WHERE NOT EXISTS \
+             (SELECT 1 FROM idempotency_records r WHERE r.resource_id = o.id)")
+        .await,
+        orphaned: one(
+            "SELECT COUNT(*) FROM idempotency_records r WHERE r.status = 'SUCCEEDED' \
+             AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.id = r.resource_id)",
+        )
+        .await,
+        stock_taken: one("SELECT CAST(1000000 - qty AS SIGNED) FROM stock WHERE sku = 'A-10'")
+            .await,
+    }
+}
+
+/// An answer a client may get: the order (first or replayed), or a
+/// retryable refusal with `Retry-After`.
+fn acceptable(a: &Answer) -> bool {
+    match a.status {
+        StatusCode::CREATED => true,
+        StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT => {
+            a.headers.contains_key(http::header::RETRY_AFTER)
+        }
+        _ => false,
+    }
+}
+
+/// The order id a `201` carries.
+fn order_id(a: &Answer) -> String {
+    a.json()["orderId"].as_str().unwrap_or_default().to_string()
+}
+
+/// Retries `key` on `instance` until it answers `201` (bounded); `None`
+/// when it never does.
+async fn settle(instance: &Instance, key: &str, faults: &mut Vec<String>) -> Option<Answer> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let a = instance.order(key).await;
+        if !acceptable(&a) {
+            faults.push(format!("{key} retried: {} {}", a.status, a.problem_type()));
+        }
+        if a.status == StatusCode::CREATED {
+            return Some(a);
+        }
+        if Instant::now() > deadline {
+            faults.push(format!(
+                "{key} never settled: {} {}",
+                a.status,
+                a.problem_type()
+            ));
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// What one round saw.
+#[derive(Debug, Default)]
+struct Round {
+    /// Retryable refusals among the concurrent answers.
+    refused: usize,
+    /// Everything that broke the guarantee or the contract.
+    faults: Vec<String>,
+}
+
+/// Two instances, `keys` keys: half sent four times at once, two to each
+/// node; half sent to node 0 and retried on node 1 as soon as it answered.
+async fn concurrent_round(cluster: &Cluster, db: &str, keys: usize) -> Round {
+    cluster.create_database(db);
+    let a = Instance::start(&cluster.url(0, db), 0).await;
+    let b = Instance::start(&cluster.url(1, db), 0).await;
+    let pool = MySqlPool::connect(&cluster.url(2, db)).await.unwrap();
+    let put = http_call(
+        &a.addr,
+        Method::PUT,
+        "/stock/A-10",
+        None,
+        None,
+        r#"{"qty":1000000}"#,
+    )
+    .await;
+    assert_eq!(put.status, StatusCode::OK, "{put:?}");
+
+    let a = std::sync::Arc::new(a);
+    let b = std::sync::Arc::new(b);
+    let mut tasks = Vec::new();
+    for k in 0..keys / 2 {
+        for i in 0..4 {
+            let node = if i % 2 == 0 { a.clone() } else { b.clone() };
+            let key = format!("together-{k}");
+            tasks.push(tokio::spawn(async move {
+                (key.clone(), node.order(&key).await)
+            }));
+        }
+    }
+    let mut answers: HashMap<String, Vec<Answer>> = HashMap::new();
+    for t in tasks {
+        let (key, answer) = t.await.unwrap();
+        answers.entry(key).or_default().push(answer);
+    }
+    let mut round = Round::default();
+    for (key, list) in &answers {
+        let first = settle(&a, key, &mut round.faults).await;
+        for answer in list {
+            if !acceptable(answer) {
+                round.faults.push(format!(
+                    "{key}: {} {}",
+                    answer.status,
+                    answer.problem_type()
+                ));
+            } else if answer.status != StatusCode::CREATED {
+                round.refused += 1;
+            } else if let Some(first) = &first
+                && order_id(answer) != order_id(first)
+            {
+                round.faults.push(format!("{key}: two orders answered"));
+            }
+        }
+    }
+    for k in 0..keys / 2 {
+        let key = format!("then-{k}");
+        let first = a.order(&key).await;
+        if first.status != StatusCode::CREATED {
+            round
+                .faults
+                .push(format!("{key}: {} {}", first.status, first.problem_type()));
+            continue;
+        }
+        let again = b.order(&key).await;
+        if !again.replayed() || again.body != first.body {
+            round.faults.push(format!(
+                "{key} on node 1 not replayed: {} {}",
+                again.status,
+                again.problem_type()
+            ));
+        }
+    }
+    let keys = keys as i64;
+    let want = Rows {
+        orders: keys,
+        ledger: keys,
+        succeeded: keys,
+        unledgered: 0,
+        orphaned: 0,
+        stock_taken: keys,
+    };
+    let got = rows(&pool).await;
+    if got != want {
+        round.faults.push(format!("{db}: {got:?}"));
+    }
+    pool.close().await;
+    round
+}
+
+/// Keeps both cores busy until dropped.
+struct Load(Vec<std::process::Child>);
+
+impl Load {
+    fn start() -> Self {
+        Self(
+            (0..2)
+                .map(|_| {
+                    std::process::Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .spawn()
+                        .unwrap()
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A node is SIGKILLed while an instance's claimed transaction is open on
+/// it: nothing of it commits; the client's retry on another node runs once;
+/// the node rejoins with the same rows.
+async fn node_killed_mid_transaction(cluster: &mut Cluster) -> Vec<String> {
+    let db = "killed";
+    cluster.create_database(db);
+    let slow = Instance::start(&cluster.url(1, db), 1500).await;
+    let other = Instance::start(&cluster.url(0, db), 0).await;
+    let put = http_call(
+        &other.addr,
+        Method::PUT,
+        "/stock/A-10",
+        None,
+        None,
+        r#"{"qty":1000000}"#,
+    )
+    .await;
+    assert_eq!(put.status, StatusCode::OK, "{put:?}");
+    let slow = std::sync::Arc::new(slow);
+    let first = {
+        let slow = slow.clone();
+        tokio::spawn(async move { slow.order("killed-1").await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::task::block_in_place(|| cluster.kill(1));
+    let mut faults = Vec::new();
+    let first = first.await.unwrap();
+    if !acceptable(&first) {
+        faults.push(format!(
+            "on the killed node: {} {}",
+            first.status,
+            first.problem_type()
+        ));
+    }
+    let retry = settle(&other, "killed-1", &mut faults).await;
+    let pool = MySqlPool::connect(&cluster.url(2, db)).await.unwrap();
+    let want = Rows {
+        orders: 1,
+        ledger: 1,
+        succeeded: 1,
+        unledgered: 0,
+        orphaned: 0,
+        stock_taken: 1,
+    };
+    let got = rows(&pool).await;
+    if got != want {
+        faults.push(format!("after the kill: {got:?}"));
+    }
+    pool.close().await;
+    tokio::task::block_in_place(|| cluster.restart(1, 3));
+    let back = MySqlPool::connect(&cluster.url(1, db)).await.unwrap();
+    let got = rows(&back).await;
+    if got != want {
+        faults.push(format!("on the rejoined node: {got:?}"));
+    }
+    back.close().await;
+    let again = slow.order("killed-1").await;
+    if !again.replayed() || retry.is_some_and(|r| r.body != again.body) {
+        faults.push(format!(
+            "the rejoined node did not replay: {}",
+            again.status
+        ));
+    }
+    faults
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn galera_cluster_keeps_one_effect_per_key() {
+    let started = Instant::now();
+    let cluster = Cluster::start(3);
+    eprintln!("galera: three nodes synced in {:?}", started.elapsed());
+    let rounds: usize = std::env::var("GALERA_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6);
+    let mut cluster = cluster;
+    let (mut refused, mut faults) = (0, Vec::new());
+    for round in 0..rounds {
+        let _load = (round % 3 == 2).then(Load::start);
+        let r = concurrent_round(&cluster, &format!("round{round}"), 40).await;
+        refused += r.refused;
+        faults.extend(r.faults);
+    }
+    let conflicts: i64 = (0..3).map(|i| cluster.conflicts(i)).sum();
+    faults.extend(node_killed_mid_transaction(&mut cluster).await);
+    eprintln!(
+        "galera: {rounds} rounds of 40 keys: {refused} retryable refusals, \
+         {conflicts} certification conflicts, in {:?}",
+        started.elapsed()
+    );
+    assert!(faults.is_empty(), "{} faults: {faults:#?}", faults.len());
+}
