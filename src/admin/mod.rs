@@ -56,7 +56,11 @@
 //! ```
 
 mod audit;
+#[cfg(feature = "admin")]
+mod html;
 mod record;
+#[cfg(feature = "admin")]
+mod router;
 mod status;
 
 use std::time::Duration;
@@ -65,6 +69,8 @@ use sqlx::Pool;
 
 pub use audit::{Attribution, AttributionError, AuditEntry, MAX_ACTOR_LEN, MAX_REASON_LEN};
 pub use record::{LedgerRow, Lookup};
+#[cfg(feature = "admin")]
+pub use router::{Actor, MAX_FORM_BYTES, router};
 pub use status::{DiskSize, LedgerStatus, StatusCount, SweepPreview};
 
 use crate::reconcile::{Verdict, refusal};
