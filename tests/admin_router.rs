@@ -218,6 +218,13 @@ async fn html_pages_escape_and_the_form_settles_a_record<DB: Store>() {
     assert!(page.contains("charge"), "{page}");
     assert!(page.contains("NEEDS_RECONCILIATION"));
 
+    // Nested, its links and its form name the prefix.
+    let nested = Router::new().nest("/admin", console(h.pool.clone(), Some("alice")));
+    let page = text(&send(&nested, get("/admin")).await);
+    assert!(page.contains("href=\"/admin/record?principal="), "{page}");
+    let page = text(&send(&nested, get(&format!("/admin/record?{}", record_query(KEY)))).await);
+    assert!(page.contains("action=\"/admin/resolve\""), "{page}");
+
     let record = send(&c, get(&format!("/record?{}", record_query(KEY)))).await;
     assert_eq!(record.status, StatusCode::OK, "{record:?}");
     let page = text(&record);

@@ -35,13 +35,35 @@ fn url(s: &str) -> String {
     out
 }
 
-fn page(title: &str, body: &str) -> String {
+/// The console's own paths, under the prefix it is nested at (`""` when
+/// it is not nested).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Base<'a>(pub(crate) &'a str);
+
+impl Base<'_> {
+    /// The list page.
+    fn home(&self) -> String {
+        if self.0.is_empty() {
+            "/".to_string()
+        } else {
+            esc(self.0)
+        }
+    }
+
+    /// A route under the console.
+    fn path(&self, route: &str) -> String {
+        format!("{}/{route}", esc(self.0))
+    }
+}
+
+fn page(base: Base<'_>, title: &str, body: &str) -> String {
     format!(
         "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
          <title>{}</title><style>{STYLE}</style></head><body>\
-         <header><a href=\"./\">Idempotency ledger</a></header><main>{body}</main></body></html>\n",
-        esc(title)
+         <header><a href=\"{}\">Idempotency ledger</a></header><main>{body}</main></body></html>\n",
+        esc(title),
+        base.home()
     )
 }
 
@@ -55,9 +77,10 @@ form label{display:block;margin:10px 0 4px;font-weight:600}input[type=text],inpu
 textarea{min-height:70px}button{margin-top:12px;padding:8px 16px;font:inherit;font-weight:600;background:#0b5cad;color:#fff;border:0;border-radius:4px;cursor:pointer}\
 .note{color:#57606a}";
 
-fn record_href(principal: &str, operation: &str, key: &str) -> String {
+fn record_href(base: Base<'_>, principal: &str, operation: &str, key: &str) -> String {
     format!(
-        "record?principal={}&amp;operation={}&amp;key={}",
+        "{}?principal={}&amp;operation={}&amp;key={}",
+        base.path("record"),
         url(principal),
         url(operation),
         url(key)
@@ -69,14 +92,14 @@ fn opt(v: Option<&str>) -> String {
 }
 
 /// The list of unresolved records.
-pub(crate) fn list(records: &[UnresolvedRecord], now: i64) -> String {
+pub(crate) fn list(base: Base<'_>, records: &[UnresolvedRecord], now: i64) -> String {
     let mut body = format!(
         "<h1>Unresolved records <span class=\"note\">({} listed, oldest first)</span></h1>",
         records.len()
     );
     if records.is_empty() {
         body.push_str("<p class=\"ok\">Nothing unresolved.</p>");
-        return page("Unresolved records", &body);
+        return page(base, "Unresolved records", &body);
     }
     body.push_str(
         "<table id=\"unresolved\"><thead><tr><th>Principal</th><th>Operation</th><th>Key</th>\
@@ -90,7 +113,7 @@ pub(crate) fn list(records: &[UnresolvedRecord], now: i64) -> String {
              <td>{}</td><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}</td></tr>",
             esc(&r.principal),
             esc(&r.operation),
-            record_href(&r.principal, &r.operation, &r.key),
+            record_href(base, &r.principal, &r.operation, &r.key),
             esc(&r.key),
             esc(r.status.as_str()),
             esc(&human_age(now.saturating_sub(r.created_at))),
@@ -101,7 +124,7 @@ pub(crate) fn list(records: &[UnresolvedRecord], now: i64) -> String {
         );
     }
     body.push_str("</tbody></table>");
-    page("Unresolved records", &body)
+    page(base, "Unresolved records", &body)
 }
 
 fn fields(row: &LedgerRow) -> String {
@@ -176,7 +199,7 @@ fn trail(entries: &[AuditEntry]) -> String {
 }
 
 /// One record, its audit trail, and (when unsettled) the form that settles it.
-pub(crate) fn record(row: &LedgerRow, entries: &[AuditEntry]) -> String {
+pub(crate) fn record(base: Base<'_>, row: &LedgerRow, entries: &[AuditEntry]) -> String {
     let mut body = format!("<h1>Record <code>{}</code></h1>", esc(&row.key));
     body.push_str(&fields(row));
     body.push_str("<h2>Audit trail</h2>");
@@ -191,7 +214,7 @@ pub(crate) fn record(row: &LedgerRow, entries: &[AuditEntry]) -> String {
         };
         let _ = write!(
             body,
-            "<h2>Settle it</h2><form class=\"box\" method=\"post\" action=\"resolve\">{}{}{}{}{}{}\
+            "<h2>Settle it</h2><form class=\"box\" method=\"post\" action=\"{}\">{}{}{}{}{}{}\
              <p class=\"note\">Check the provider with the step key first. The verdict applies to the \
              record as shown here: if it changes meanwhile, the verdict is refused.</p>\
              <label><input type=\"radio\" name=\"verdict\" value=\"succeeded\" checked> Succeeded: \
@@ -208,6 +231,7 @@ pub(crate) fn record(row: &LedgerRow, entries: &[AuditEntry]) -> String {
              <label for=\"reason\">Reason (recorded in the audit trail)</label>\
              <textarea id=\"reason\" name=\"reason\" required></textarea>\
              <button type=\"submit\" id=\"resolve\">Record the verdict</button></form>",
+            base.path("resolve"),
             hidden("principal", &r.principal),
             hidden("operation", &r.operation),
             hidden("key", &r.key),
@@ -216,11 +240,11 @@ pub(crate) fn record(row: &LedgerRow, entries: &[AuditEntry]) -> String {
             hidden("parks", &r.parks.to_string()),
         );
     }
-    page("Record", &body)
+    page(base, "Record", &body)
 }
 
 /// The confirmation of a recorded verdict.
-pub(crate) fn resolved(done: &Resolved, by: &Attribution) -> String {
+pub(crate) fn resolved(base: Base<'_>, done: &Resolved, by: &Attribution) -> String {
     let now = match &done.after {
         Some(a) => match a.response_status {
             Some(s) => format!("{} {s}", a.status.as_str()),
@@ -237,7 +261,7 @@ pub(crate) fn resolved(done: &Resolved, by: &Attribution) -> String {
          <p><code>{}</code> / <code>{}</code> / <code>{}</code></p>\
          <p>Was <strong>{}</strong> (generation {}), is now <strong id=\"now\">{}</strong>.</p>\
          <p>Recorded by <strong>{}</strong>: {}</p></div>\
-         <p><a href=\"{}\">Back to the record</a> · <a href=\"./\">All unresolved records</a></p>",
+         <p><a href=\"{}\">Back to the record</a> · <a href=\"{}\">All unresolved records</a></p>",
         esc(&b.principal),
         esc(&b.operation),
         esc(&b.key),
@@ -246,13 +270,19 @@ pub(crate) fn resolved(done: &Resolved, by: &Attribution) -> String {
         esc(&now),
         esc(by.actor()),
         esc(by.reason()),
-        record_href(&b.principal, &b.operation, &b.key),
+        record_href(base, &b.principal, &b.operation, &b.key),
+        base.home(),
     );
-    page("Verdict recorded", &body)
+    page(base, "Verdict recorded", &body)
 }
 
 /// A refusal page.
-pub(crate) fn refused(kind: &str, message: &str, row: Option<&LedgerRow>) -> String {
+pub(crate) fn refused(
+    base: Base<'_>,
+    kind: &str,
+    message: &str,
+    row: Option<&LedgerRow>,
+) -> String {
     let mut body = format!(
         "<h1 class=\"parked\" id=\"refused\">Refused ({})</h1><p>{}</p>",
         esc(kind),
@@ -262,8 +292,12 @@ pub(crate) fn refused(kind: &str, message: &str, row: Option<&LedgerRow>) -> Str
         body.push_str("<h2>The record now</h2>");
         body.push_str(&fields(row));
     }
-    body.push_str("<p><a href=\"./\">All unresolved records</a></p>");
-    page("Refused", &body)
+    let _ = write!(
+        body,
+        "<p><a href=\"{}\">All unresolved records</a></p>",
+        base.home()
+    );
+    page(base, "Refused", &body)
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! The operators' console: [`router`], JSON routes and a small
 //! server-rendered HTML page over a [`Ledger`].
 
-use axum::extract::rejection::{FormRejection, JsonRejection};
-use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::extract::rejection::{FormRejection, JsonRejection, NestedPathRejection};
+use axum::extract::{DefaultBodyLimit, NestedPath, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -218,8 +218,8 @@ impl Refusal {
         (self.status, Json(body)).into_response()
     }
 
-    fn html(&self) -> Response {
-        let page = html::refused(self.kind, &self.message, self.record.as_deref());
+    fn html(&self, base: html::Base<'_>) -> Response {
+        let page = html::refused(base, self.kind, &self.message, self.record.as_deref());
         (self.status, Html(page)).into_response()
     }
 }
@@ -571,28 +571,39 @@ async fn api_resolve<DB: AdminBackend>(
     }
 }
 
+/// The prefix the console is nested at (`""` when it is not).
+fn prefix(nested: &Result<NestedPath, NestedPathRejection>) -> &str {
+    nested
+        .as_ref()
+        .map_or("", |n| n.as_str().trim_end_matches('/'))
+}
+
 async fn page_list<DB: AdminBackend>(
     State(ledger): State<Ledger<DB>>,
+    nested: Result<NestedPath, NestedPathRejection>,
     Query(q): Query<ListQuery>,
 ) -> Response {
+    let base = html::Base(prefix(&nested));
     let limit = q.limit.unwrap_or(DEFAULT_LIST);
     let listed =
         async { Ok::<_, sqlx::Error>((ledger.unresolved(limit).await?, ledger.clock().await?)) }
             .await;
     match listed {
-        Ok((records, now)) => Html(html::list(&records, now)).into_response(),
-        Err(e) => Refusal::store(&e).html(),
+        Ok((records, now)) => Html(html::list(base, &records, now)).into_response(),
+        Err(e) => Refusal::store(&e).html(base),
     }
 }
 
 async fn page_record<DB: AdminBackend>(
     State(ledger): State<Ledger<DB>>,
+    nested: Result<NestedPath, NestedPathRejection>,
     Query(q): Query<ScopeQuery>,
 ) -> Response {
+    let base = html::Base(prefix(&nested));
     match ledger.show(&q.lookup()).await {
         Ok(Some(row)) => match ledger.audit(&row_scope(&row)).await {
-            Ok(trail) => Html(html::record(&row, &trail)).into_response(),
-            Err(e) => Refusal::store(&e).html(),
+            Ok(trail) => Html(html::record(base, &row, &trail)).into_response(),
+            Err(e) => Refusal::store(&e).html(base),
         },
         Ok(None) => Refusal {
             status: StatusCode::NOT_FOUND,
@@ -600,19 +611,21 @@ async fn page_record<DB: AdminBackend>(
             message: "no such record".into(),
             record: None,
         }
-        .html(),
-        Err(e) => Refusal::store(&e).html(),
+        .html(base),
+        Err(e) => Refusal::store(&e).html(base),
     }
 }
 
 async fn page_resolve<DB: AdminBackend>(
     State(ledger): State<Ledger<DB>>,
+    nested: Result<NestedPath, NestedPathRejection>,
     actor: Option<Extension<Actor>>,
     headers: HeaderMap,
     form: Result<Form<ResolveForm>, FormRejection>,
 ) -> Response {
+    let base = html::Base(prefix(&nested));
     if let Err(refused) = same_origin(&headers, false) {
-        return refused.html();
+        return refused.html(base);
     }
     let Form(form) = match form {
         Ok(form) => form,
@@ -623,16 +636,16 @@ async fn page_resolve<DB: AdminBackend>(
                 message: e.body_text(),
                 record: None,
             }
-            .html();
+            .html(base);
         }
     };
     let req = match Request::from_form(form, actor.as_deref()) {
         Ok(req) => req,
-        Err(refused) => return refused.html(),
+        Err(refused) => return refused.html(base),
     };
     let by = req.by.clone();
     match carry_out(&ledger, req).await {
-        Ok(done) => Html(html::resolved(&done, &by)).into_response(),
-        Err(refused) => refused.html(),
+        Ok(done) => Html(html::resolved(base, &done, &by)).into_response(),
+        Err(refused) => refused.html(base),
     }
 }
