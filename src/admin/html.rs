@@ -74,7 +74,7 @@ table{border-collapse:collapse;background:#fff;width:100%}th,td{border:1px solid
 th{background:#eef0f3;font-weight:600}code{font:12px ui-monospace,monospace;word-break:break-all}\
 .parked{color:#a4161a;font-weight:600}.ok{color:#1a7f37;font-weight:600}.box{background:#fff;border:1px solid #d8dce1;padding:12px 16px}\
 form label{display:block;margin:10px 0 4px;font-weight:600}input[type=text],input[type=number],textarea{width:100%;max-width:640px;padding:6px;font:inherit;box-sizing:border-box}\
-textarea{min-height:70px}button{margin-top:12px;padding:8px 16px;font:inherit;font-weight:600;background:#0b5cad;color:#fff;border:0;border-radius:4px;cursor:pointer}\
+textarea{min-height:70px}button{display:block;margin-top:12px;padding:8px 16px;font:inherit;font-weight:600;background:#0b5cad;color:#fff;border:0;border-radius:4px;cursor:pointer}\
 .note{color:#57606a}";
 
 fn record_href(base: Base<'_>, principal: &str, operation: &str, key: &str) -> String {
@@ -223,7 +223,7 @@ pub(crate) fn record(base: Base<'_>, row: &LedgerRow, entries: &[AuditEntry]) ->
              retries replay this answer</label>\
              <label><input type=\"radio\" name=\"verdict\" value=\"rerun\"> Nothing took effect: \
              the next retry runs it again</label>\
-             <label for=\"status\">Answer status</label><input type=\"number\" id=\"answer-status\" \
+             <label for=\"answer-status\">Answer status</label><input type=\"number\" id=\"answer-status\" \
              name=\"status\" value=\"201\" min=\"200\" max=\"599\">\
              <label for=\"content_type\">Answer content type</label><input type=\"text\" \
              id=\"content_type\" name=\"content_type\" value=\"application/json\">\
