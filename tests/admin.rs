@@ -4,11 +4,13 @@
 
 mod common;
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use common::ledger::{OPERATION, PAY, PAYER, Store, park, pay, pay_app};
 use tower_idempotency::admin::{Attribution, Ledger, Lookup};
 use tower_idempotency::store::RecordStatus;
-use tower_idempotency::testkit::lease::payment;
+use tower_idempotency::testkit::lease::{Fault, payment};
 use tower_idempotency::testkit::send;
 use tower_idempotency::{Resolution, ResolveError};
 
@@ -187,11 +189,28 @@ async fn status_counts_by_status_and_operation<DB: Store>() {
     pay(&app, "pay-1").await;
     pay(&app, "pay-2").await;
     park(&app, "pay-3").await;
+    // A client that went away mid-charge: its lease ends at once, the
+    // step pending (not listed while the call may still land).
+    app.state
+        .provider
+        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
+    let cut = tokio::time::timeout(
+        Duration::from_millis(500),
+        send(&app.router, payment("pay-4", PAY)),
+    )
+    .await;
+    assert!(cut.is_err(), "cut mid-charge");
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let ledger = Ledger::new(h.pool.clone());
     let s = ledger.status().await.unwrap();
     assert_eq!(
         (s.total, s.parked, s.tombstones, s.unresolved),
-        (3, 1, 0, 1),
+        (4, 1, 0, 1),
+        "{s:?}"
+    );
+    assert_eq!(s.leased_past_lease, 1, "{s:?}");
+    assert!(
+        s.oldest_processing_age_ms().is_some_and(|a| a >= 0),
         "{s:?}"
     );
     let succeeded = s
@@ -204,8 +223,6 @@ async fn status_counts_by_status_and_operation<DB: Store>() {
         (OPERATION, 2)
     );
     assert!(s.oldest_unresolved_age_ms().is_some_and(|a| a >= 0));
-    assert_eq!(s.oldest_processing, None);
-    assert_eq!(s.leased_past_lease, 0);
     assert!(s.size.as_ref().is_some_and(|size| size.bytes > 0), "{s:?}");
     assert_eq!(s.estimates().is_empty(), DB::LABEL != "mysql");
     let json = s.to_json();

@@ -141,22 +141,24 @@ impl Dialect {
         )
     }
 
-    /// Leased rows past their lease (through the lease index), and the clock.
-    fn status_leases(&self) -> String {
+    /// Leased rows past their lease at `now` (read first: a literal, so
+    /// the lease index serves the range, which a volatile clock call in
+    /// the statement would prevent).
+    fn status_leases(&self, now: i64) -> String {
         format!(
-            "SELECT COUNT(*), {now} FROM idempotency_records WHERE locked_until <= {now} \
-             AND generation > 0 AND status = 'PROCESSING'",
-            now = self.now
+            "SELECT COUNT(*) FROM idempotency_records WHERE locked_until <= {now} \
+             AND generation > 0 AND status = 'PROCESSING'"
         )
     }
 
-    fn sweep_counts(&self) -> String {
+    /// What a sweep would expire and purge at `now` (a literal, so the
+    /// expiry index serves both ranges).
+    fn sweep_counts(&self, now: i64) -> String {
         format!(
             "SELECT (SELECT COUNT(*) FROM idempotency_records WHERE status IN \
              ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= {now}), \
              (SELECT COUNT(*) FROM idempotency_records WHERE status = 'EXPIRED' \
-             AND expires_at <= {now})",
-            now = self.now
+             AND expires_at <= {now})"
         )
     }
 }
@@ -304,7 +306,8 @@ macro_rules! admin_backend {
                         })
                     })
                     .collect::<Result<Vec<_>, sqlx::Error>>()?;
-                let leases = sqlx::raw_sql(AssertSqlSafe(d.status_leases()))
+                let now = <$db as AdminBackend>::clock(pool).await?;
+                let leases = sqlx::raw_sql(AssertSqlSafe(d.status_leases(now)))
                     .fetch_one(pool)
                     .await?;
                 let (unresolved, oldest_unresolved, _) = <$db as Backend>::count_unresolved(
@@ -331,7 +334,7 @@ macro_rules! admin_backend {
                     unresolved,
                     oldest_unresolved,
                     size,
-                    leases.try_get(1)?,
+                    now,
                 ))
             }
 
@@ -361,7 +364,8 @@ macro_rules! admin_backend {
 
             async fn sweep_preview(pool: &Pool<Self>) -> Result<SweepPreview, sqlx::Error> {
                 let d: &Dialect = &$dialect;
-                let row = sqlx::raw_sql(AssertSqlSafe(d.sweep_counts()))
+                let now = <$db as AdminBackend>::clock(pool).await?;
+                let row = sqlx::raw_sql(AssertSqlSafe(d.sweep_counts(now)))
                     .fetch_one(pool)
                     .await?;
                 Ok(SweepPreview {
