@@ -37,6 +37,7 @@ on_every_store!(
     concurrent_verdicts_one_wins_with_one_audit_row,
     no_verdict_lands_without_its_audit_row,
     status_counts_by_status_and_operation,
+    show_finds_a_record_by_its_key_or_its_stored_hash,
 );
 
 fn answer() -> Resolution {
@@ -229,4 +230,35 @@ async fn status_counts_by_status_and_operation<DB: Store>() {
     assert_eq!(json["parked"], 1);
     let preview = ledger.sweep_preview().await.unwrap();
     assert_eq!((preview.expirable, preview.purgeable), (0, 0));
+}
+
+async fn show_finds_a_record_by_its_key_or_its_stored_hash<DB: Store>() {
+    use tower_idempotency::testkit::{Harness, order};
+    let h = Harness::<DB>::new().await;
+    let app = h.app_with(h.layer().with_hashed_keys(true));
+    let body = r#"{"amount":1}"#;
+    let a = send(&app, order(Some("alice"), Some("key-1"), body)).await;
+    assert_eq!(a.status, 201, "{a:?}");
+    let ledger = Ledger::new(h.pool.clone());
+    let row = ledger
+        .show(&Lookup::new("alice", "POST /orders", "key-1"))
+        .await
+        .unwrap()
+        .expect("found by the key the client sent");
+    assert!(row.key.starts_with("sha256:"), "stored hashed: {row:?}");
+    assert_eq!(row.status, RecordStatus::Succeeded);
+    let by_hash = ledger
+        .show(&Lookup::new("alice", "POST /orders", &row.key))
+        .await
+        .unwrap();
+    let by_hash = by_hash.expect("found by the stored form");
+    assert_eq!(
+        (&by_hash.key, by_hash.created_at),
+        (&row.key, row.created_at)
+    );
+    let none = ledger
+        .show(&Lookup::new("bob", "POST /orders", "key-1"))
+        .await
+        .unwrap();
+    assert_eq!(none, None, "another principal's key is not found");
 }

@@ -222,7 +222,13 @@ async fn html_pages_escape_and_the_form_settles_a_record<DB: Store>() {
     let nested = Router::new().nest("/admin", console(h.pool.clone(), Some("alice")));
     let page = text(&send(&nested, get("/admin")).await);
     assert!(page.contains("href=\"/admin/record?principal="), "{page}");
-    let page = text(&send(&nested, get(&format!("/admin/record?{}", record_query(KEY)))).await);
+    let page = text(
+        &send(
+            &nested,
+            get(&format!("/admin/record?{}", record_query(KEY))),
+        )
+        .await,
+    );
     assert!(page.contains("action=\"/admin/resolve\""), "{page}");
 
     let record = send(&c, get(&format!("/record?{}", record_query(KEY)))).await;
@@ -254,6 +260,17 @@ async fn html_pages_escape_and_the_form_settles_a_record<DB: Store>() {
         ])
     };
     let origin = format!("http://{HOST}");
+    // The record as the page showed it is what the verdict names: one
+    // parked again since (a stale page) is refused, nothing written.
+    let stale = fields("succeeded").replace(&format!("parks={parks}"), "parks=0");
+    assert_ne!(stale, fields("succeeded"));
+    let refused = send(&c, post_form(stale, &[("origin", &origin)])).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{refused:?}");
+    assert!(text(&refused).contains("Refused (changed)"), "{refused:?}");
+    let gone = fields("succeeded").replace("key=pay", "key=nopay");
+    let refused = send(&c, post_form(gone, &[("origin", &origin)])).await;
+    assert_eq!(refused.status, StatusCode::NOT_FOUND, "{refused:?}");
+    assert!(text(&refused).contains("Refused (gone)"), "{refused:?}");
     let done = send(&c, post_form(fields("succeeded"), &[("origin", &origin)])).await;
     assert_eq!(done.status, StatusCode::OK, "{done:?}");
     let page = text(&done);

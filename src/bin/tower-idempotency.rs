@@ -724,3 +724,23 @@ fn time(ms: i64) -> String {
         rem % 60
     )
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn times_are_utc_iso_8601() {
+        assert_eq!(super::time(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(super::time(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(super::time(1_796_188_611_281), "2026-12-02T05:16:51.281Z");
+        assert_eq!(super::time(-1), "1969-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn clap_errors_become_one_line() {
+        let e = "error: the following required arguments were not provided:\n  --reason <REASON>\n\nUsage: tower-idempotency resolve --reason <REASON>\n\nFor more information, try '--help'.\n";
+        assert_eq!(
+            super::one_line(e),
+            "error: the following required arguments were not provided: --reason <REASON>"
+        );
+    }
+}
