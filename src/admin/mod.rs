@@ -169,7 +169,10 @@ impl<DB: AdminBackend> Ledger<DB> {
     }
 
     /// At most `limit` (capped at [`MAX_LIST`]) records whose outcome is
-    /// not settled, oldest first: [`Reconciler::unresolved`].
+    /// not settled, oldest first: [`Reconciler::unresolved`]. One
+    /// statement, no locks: a record may be settled (or another parked)
+    /// the moment after; a verdict on a listed record names it as listed
+    /// and is refused if it moved on.
     pub async fn unresolved(&self, limit: u32) -> Result<Vec<UnresolvedRecord>, sqlx::Error> {
         Reconciler::new(self.pool.clone())
             .with_stranded_after(self.stranded_after)
@@ -178,7 +181,8 @@ impl<DB: AdminBackend> Ledger<DB> {
     }
 
     /// The record `lookup` names (see [`Lookup::new`] for the forms tried),
-    /// every column. `None` when there is none.
+    /// every column. `None` when there is none. A read of committed rows,
+    /// no locks: a snapshot of the moment it ran.
     pub async fn show(&self, lookup: &Lookup) -> Result<Option<LedgerRow>, sqlx::Error> {
         for parts in lookup.candidates() {
             if let Some(row) = DB::row(&self.pool, &record::scope_of(&parts)).await? {
@@ -188,7 +192,10 @@ impl<DB: AdminBackend> Ledger<DB> {
         Ok(None)
     }
 
-    /// The record's audit trail, oldest first (at most [`MAX_TRAIL`]).
+    /// The record's audit trail, oldest first (at most [`MAX_TRAIL`]):
+    /// committed verdicts only, each written with its verdict, so the last
+    /// entry is the verdict the record carries (unless the service settled
+    /// it since, or it was rerun and ran again).
     pub async fn audit(&self, scope: &Scope<'_>) -> Result<Vec<AuditEntry>, sqlx::Error> {
         DB::audit_trail(&self.pool, scope, i64::from(MAX_TRAIL)).await
     }
@@ -259,7 +266,11 @@ impl<DB: AdminBackend> Ledger<DB> {
     }
 
     /// Applies the crate's missing migrations ([`migrate`](crate::migrate))
-    /// and returns those it applied, `(version, name)`, in order.
+    /// and returns those it applied, `(version, name)`, in order: the
+    /// versions missing before the call and present after it. Safe beside
+    /// other instances migrating (each version is applied once, under the
+    /// migration lock), but then each caller may report versions another
+    /// one applied.
     pub async fn migrate(&self) -> Result<Vec<(i64, String)>, sqlx::Error> {
         let before = DB::applied_migrations(&self.pool).await?;
         crate::migrate(&self.pool).await?;

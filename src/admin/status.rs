@@ -63,6 +63,10 @@ pub struct LedgerStatus {
 }
 
 impl LedgerStatus {
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) fn new(
         counts: Vec<StatusCount>,
         leased_past_lease: i64,

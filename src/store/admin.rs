@@ -3,6 +3,11 @@
 //! [`Dialect`]; every value is a literal of hex digits or a decimal
 //! integer, as in lease mode, so nothing an operator types can change a
 //! statement, and every statement runs through a transaction-pooling proxy.
+// Without a store's feature nothing here is used.
+#![cfg_attr(
+    not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
+    allow(unused)
+)]
 
 use std::future::Future;
 
