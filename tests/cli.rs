@@ -33,6 +33,7 @@ on_every_store!(
     refusals_exit_1_with_one_line,
     a_held_record_is_refused,
     sweep_status_and_migrate,
+    a_default_mode_record_is_rerun_by_deleting_it,
 );
 
 #[derive(Debug)]
@@ -374,4 +375,45 @@ async fn sweep_status_and_migrate<DB: Store>() {
     let text = cli(&url, &["status"]).await;
     assert!(text.stdout.contains("parked:              1"), "{text:?}");
     assert!(text.stdout.contains("estimates:"), "{text:?}");
+}
+
+/// The default mode: a handler that committed the layer's transaction
+/// itself leaves its key held (`NEEDS_RECONCILIATION`, generation 0, no
+/// step key); `--rerun` deletes the record and the key runs afresh.
+async fn a_default_mode_record_is_rerun_by_deleting_it<DB: Store>() {
+    use tower_idempotency::testkit::{Harness, order};
+    let h = Harness::<DB>::new().await;
+    let url = DB::url_of(&h.pool);
+    let app = h.app();
+    let body = r#"{"amount":1,"mode":"commit_503"}"#;
+    let a = send(&app, order(Some("alice"), Some("k-1"), body)).await;
+    assert_eq!(a.status, 500, "{a:?}");
+    let listed = cli(&url, &["unresolved", "--json"]).await.one_json();
+    assert_eq!(listed["generation"], 0, "{listed}");
+    assert_eq!(listed["step_key"], Value::Null, "{listed}");
+    assert_eq!(
+        listed["response_status"], 503,
+        "the handler's answer: {listed}"
+    );
+    let done = cli(
+        &url,
+        &[
+            "resolve",
+            "--principal",
+            "alice",
+            "--operation",
+            "POST /orders",
+            "--key",
+            "k-1",
+            "--rerun",
+            "--reason",
+            "nothing was charged",
+        ],
+    )
+    .await;
+    assert_eq!(done.code, 0, "{done:?}");
+    assert!(done.stdout.contains("deleted"), "{done:?}");
+    let retry = send(&app, order(Some("alice"), Some("k-1"), r#"{"amount":1}"#)).await;
+    assert_eq!(retry.status, 201, "runs afresh: {retry:?}");
+    assert!(!retry.replayed());
 }
