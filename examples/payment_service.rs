@@ -69,6 +69,21 @@
 //! | nobody retries | lapsed lease | the [`Completer`] (every `--completer-interval-ms`) takes it over and runs [`drive`] from the saved data; the client's later retry replays |
 //!
 //! Other routes: `GET /payments/{id}` (owner only, else 404), `GET /health`.
+//!
+//! # The operators' console
+//!
+//! Built with the `admin` feature and started with `ADMIN_TOKEN` set, the
+//! service mounts [`tower_idempotency::admin::router`] under `/admin`,
+//! behind [`operators_only`]: a request needs `Authorization: Bearer
+//! $ADMIN_TOKEN`, or the cookie that `GET /admin/login?token=$ADMIN_TOKEN`
+//! sets for a browser. Verdicts are recorded as `$ADMIN_ACTOR` (default
+//! `operator`). A stand-in for real operator authentication (single
+//! sign-on, mTLS): the console never authenticates by itself.
+//!
+//! ```text
+//! ADMIN_TOKEN=s3cret cargo run --example payment_service --features admin -- …
+//! open 'http://127.0.0.1:3002/admin/login?token=s3cret'
+//! ```
 //! SIGTERM (or ctrl-c) stops accepting, lets requests in progress finish,
 //! and stops the completer.
 
@@ -178,7 +193,7 @@ struct PaymentBody {
 }
 
 /// The example's own table and statements, per database.
-trait PaymentDb: Backend {
+trait PaymentDb: tower_idempotency::admin::AdminBackend {
     /// Creates the `payments` table if missing.
     fn create_schema(pool: &Pool<Self>) -> impl Future<Output = sqlx::Result<()>> + Send;
     fn insert_payment(
@@ -828,10 +843,108 @@ fn router<DB: PaymentDb>(app: App<DB>, mode: LeaseMode) -> Router {
         .route("/payments", post(create_payment::<DB>).layer(idempotency))
         .route("/payments/{id}", get(get_payment::<DB>))
         .layer(middleware::from_fn(authenticate));
-    Router::new()
+    #[cfg(feature = "admin")]
+    let pool = app.pool.clone();
+    let router = Router::new()
         .merge(payments)
         .route("/health", get(|| async { "ok" }))
-        .with_state(app)
+        .with_state(app);
+    #[cfg(feature = "admin")]
+    let router = match std::env::var("ADMIN_TOKEN") {
+        Ok(token) if !token.is_empty() => router.nest("/admin", console(&pool, token)),
+        _ => router,
+    };
+    router
+}
+
+/// The operators' console behind [`operators_only`], and the browser's
+/// login route beside it.
+#[cfg(feature = "admin")]
+fn console<DB: PaymentDb>(pool: &Pool<DB>, token: String) -> Router {
+    use tower_idempotency::admin::{self, Actor, Ledger};
+    let actor = std::env::var("ADMIN_ACTOR").unwrap_or_else(|_| "operator".into());
+    let auth = ConsoleAuth {
+        token: token.into(),
+        actor: Actor(actor),
+    };
+    let console = admin::router(Ledger::new(pool.clone()))
+        .layer(middleware::from_fn_with_state(auth.clone(), operators_only));
+    Router::new()
+        .route("/login", get(login).with_state(auth))
+        .merge(console)
+}
+
+/// The console's stand-in authentication: one shared token.
+#[cfg(feature = "admin")]
+#[derive(Clone)]
+struct ConsoleAuth {
+    token: std::sync::Arc<str>,
+    actor: tower_idempotency::admin::Actor,
+}
+
+#[cfg(feature = "admin")]
+impl ConsoleAuth {
+    /// Compares in time independent of where the first difference is.
+    fn accepts(&self, sent: &str) -> bool {
+        let (a, b) = (self.token.as_bytes(), sent.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+/// Lets a request through to the console with `Authorization: Bearer
+/// $ADMIN_TOKEN` or the login cookie, as the operator `$ADMIN_ACTOR`;
+/// anything else is `401`.
+#[cfg(feature = "admin")]
+async fn operators_only(State(auth): State<ConsoleAuth>, mut req: Request, next: Next) -> Response {
+    let headers = req.headers();
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let cookie = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .find_map(|c| c.trim().strip_prefix("admin_token="));
+    if !bearer.into_iter().chain(cookie).any(|t| auth.accepts(t)) {
+        return (StatusCode::UNAUTHORIZED, "operators only\n").into_response();
+    }
+    req.extensions_mut().insert(auth.actor.clone());
+    next.run(req).await
+}
+
+#[cfg(feature = "admin")]
+#[derive(Deserialize)]
+struct Login {
+    token: String,
+}
+
+/// `GET /admin/login?token=…`: sets the console's cookie (HttpOnly,
+/// SameSite=Strict, path /admin) and goes to the console.
+#[cfg(feature = "admin")]
+async fn login(
+    State(auth): State<ConsoleAuth>,
+    axum::extract::Query(q): axum::extract::Query<Login>,
+) -> Response {
+    if !auth.accepts(&q.token) {
+        return (StatusCode::UNAUTHORIZED, "operators only\n").into_response();
+    }
+    let cookie = format!(
+        "admin_token={}; HttpOnly; SameSite=Strict; Path=/admin",
+        q.token
+    );
+    match HeaderValue::from_str(&cookie) {
+        Ok(cookie) => (
+            StatusCode::SEE_OTHER,
+            [
+                (header::SET_COOKIE, cookie),
+                (header::LOCATION, HeaderValue::from_static("/admin")),
+            ],
+        )
+            .into_response(),
+        Err(_) => StatusCode::BAD_REQUEST.into_response(),
+    }
 }
 
 async fn serve<DB: PaymentDb>(

@@ -166,6 +166,8 @@ impl<DB: Backend> Sweeper<DB> {
                 tokio::time::sleep(self.pause).await;
             }
         }
+        #[cfg(feature = "metrics")]
+        crate::observe::unresolved_gauges(&self.pool).await;
         Ok(report)
     }
 

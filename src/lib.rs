@@ -240,6 +240,7 @@
 #![deny(unreachable_pub, unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 
+pub mod admin;
 mod body;
 mod classify;
 #[cfg(feature = "client")]

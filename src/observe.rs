@@ -13,6 +13,15 @@
 //! `idempotency_requests_total{outcome}` and the histogram
 //! `idempotency_claim_seconds` (time from the first ledger read to an owned
 //! claim or a settled answer). Outcome labels are [`IdempotencyOutcome::label`].
+//!
+//! Gauges (feature `metrics`), refreshed at the end of every
+//! [`Sweeper`](crate::Sweeper) pass, so an alert can fire before a
+//! customer calls: `idempotency_unresolved_records` (how many records the
+//! operators' listing holds: parked, and stranded with the default
+//! stranded age) and `idempotency_unresolved_oldest_age_seconds` (the
+//! oldest one's age on the database clock; 0 when there is none). One
+//! counting statement per pass; a failed count leaves the gauges as they
+//! were and is logged at WARN.
 
 use std::time::Duration;
 
@@ -49,6 +58,21 @@ pub(crate) fn timing(field: &'static str, took: Duration) {
     #[cfg(feature = "metrics")]
     if field == "claim_ms" {
         metrics::histogram!("idempotency_claim_seconds").record(took.as_secs_f64());
+    }
+}
+
+/// Refreshes the unresolved-records gauges from the ledger in `pool`.
+#[cfg(feature = "metrics")]
+pub(crate) async fn unresolved_gauges<DB: crate::Backend>(pool: &sqlx::Pool<DB>) {
+    let stranded = crate::expiry::millis(crate::DEFAULT_STRANDED_AFTER);
+    match DB::count_unresolved(pool, stranded).await {
+        Ok((count, oldest, now)) => {
+            metrics::gauge!("idempotency_unresolved_records").set(count as f64);
+            let age_ms = oldest.map_or(0, |t| now.saturating_sub(t).max(0));
+            metrics::gauge!("idempotency_unresolved_oldest_age_seconds")
+                .set(age_ms as f64 / 1000.0);
+        }
+        Err(e) => tracing::warn!(error = %e, "could not count the unresolved records"),
     }
 }
 

@@ -203,66 +203,105 @@ impl<DB: Backend> Reconciler<DB> {
         record: &UnresolvedRecord,
         resolution: Resolution,
     ) -> Result<(), ResolveError> {
+        let verdict = Verdict::of(resolution);
+        let completion = verdict.completion();
+        let write = verdict.write(record, completion.as_ref());
+        if DB::lease_write(&self.pool, &record.scope(), record.fence(), &write).await? {
+            return Ok(());
+        }
+        Err(refusal(&self.pool, record).await)
+    }
+}
+
+/// A [`Resolution`] ready to be written: the answer captured as the ledger
+/// stores it (every header given).
+pub(crate) struct Verdict {
+    answer: Option<(RecordStatus, StoredResponse)>,
+}
+
+impl Verdict {
+    pub(crate) fn of(resolution: Resolution) -> Self {
         let (status, response) = match resolution {
             Resolution::Succeeded(res) => (RecordStatus::Succeeded, res),
             Resolution::Failed(res) => (RecordStatus::FailedFinal, res),
-            Resolution::Rerun => {
-                let rerun = LeaseWrite::Rerun {
-                    parks: record.parks,
-                };
-                return self.verdict(record, &rerun).await;
-            }
+            Resolution::Rerun => return Self { answer: None },
         };
         let (parts, body) = response.into_parts();
         let names: Vec<_> = parts.headers.keys().cloned().collect();
         let stored = StoredResponse::capture(parts.status, &parts.headers, &names, body);
-        let completion = Completion {
-            status,
+        Self {
+            answer: Some((status, stored)),
+        }
+    }
+
+    /// The verdict's name: `succeeded`, `failed` or `rerun`.
+    pub(crate) fn name(&self) -> &'static str {
+        match &self.answer {
+            Some((RecordStatus::Succeeded, _)) => "succeeded",
+            Some(_) => "failed",
+            None => "rerun",
+        }
+    }
+
+    /// The answer's status code (none for a rerun).
+    pub(crate) fn response_status(&self) -> Option<i32> {
+        self.answer.as_ref().map(|(_, s)| i32::from(s.status))
+    }
+
+    pub(crate) fn completion(&self) -> Option<Completion<'_>> {
+        self.answer.as_ref().map(|(status, stored)| Completion {
+            status: *status,
             response_status: i32::from(stored.status),
             response_headers: &stored.headers,
             response_body: &stored.body,
             resource_id: None,
-        };
-        let resolve = LeaseWrite::Resolve {
-            completion: &completion,
-            parks: record.parks,
-        };
-        self.verdict(record, &resolve).await
+        })
     }
 
-    /// Writes a verdict; when it matched nothing, reads the record to say
-    /// why.
-    async fn verdict(
+    /// The fenced write of the verdict on `record` as listed.
+    pub(crate) fn write<'a>(
         &self,
         record: &UnresolvedRecord,
-        write: &LeaseWrite<'_>,
-    ) -> Result<(), ResolveError> {
-        let scope = record.scope();
-        if DB::lease_write(&self.pool, &scope, record.fence(), write).await? {
-            return Ok(());
+        completion: Option<&'a Completion<'a>>,
+    ) -> LeaseWrite<'a> {
+        match completion {
+            Some(completion) => LeaseWrite::Resolve {
+                completion,
+                parks: record.parks,
+            },
+            None => LeaseWrite::Rerun {
+                parks: record.parks,
+            },
         }
-        let Some(now) = DB::fetch(&self.pool, &scope).await? else {
-            return Err(ResolveError::Gone);
-        };
-        if now.status.is_terminal() || now.status == RecordStatus::Expired {
-            return Err(ResolveError::Settled { status: now.status });
-        }
-        match now.lease {
-            Some(lease) if lease.claim_id != record.claim_id => Err(ResolveError::Gone),
-            // Parked again since the listing: a pass acted on it.
-            Some(lease) if now.status == RecordStatus::NeedsReconciliation => {
-                Err(ResolveError::Changed {
-                    generation: lease.generation,
-                })
-            }
-            Some(lease) if lease.live => Err(ResolveError::Held {
-                retry_after: HELD_RETRY,
-            }),
-            Some(lease) => Err(ResolveError::Changed {
-                generation: lease.generation,
-            }),
-            None => Err(ResolveError::Changed { generation: 0 }),
-        }
+    }
+}
+
+/// Why a verdict on `record` matched nothing: reads the record to say.
+pub(crate) async fn refusal<DB: Backend>(
+    pool: &Pool<DB>,
+    record: &UnresolvedRecord,
+) -> ResolveError {
+    let now = match DB::fetch(pool, &record.scope()).await {
+        Ok(Some(now)) => now,
+        Ok(None) => return ResolveError::Gone,
+        Err(e) => return ResolveError::Store(e),
+    };
+    if now.status.is_terminal() || now.status == RecordStatus::Expired {
+        return ResolveError::Settled { status: now.status };
+    }
+    match now.lease {
+        Some(lease) if lease.claim_id != record.claim_id => ResolveError::Gone,
+        // Parked again since the listing: a pass acted on it.
+        Some(lease) if now.status == RecordStatus::NeedsReconciliation => ResolveError::Changed {
+            generation: lease.generation,
+        },
+        Some(lease) if lease.live => ResolveError::Held {
+            retry_after: HELD_RETRY,
+        },
+        Some(lease) => ResolveError::Changed {
+            generation: lease.generation,
+        },
+        None => ResolveError::Changed { generation: 0 },
     }
 }
 

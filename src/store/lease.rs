@@ -410,11 +410,7 @@ impl Dialect {
     pub(crate) fn unresolved(&self, limit: i64, stranded_ms: i64) -> String {
         format!(
             "SELECT {}, {}, {}, status, response_status, created_at, generation, {}, {}, {}, \
-             locked_until, {} FROM idempotency_records \
-             WHERE status = 'NEEDS_RECONCILIATION' \
-             OR (status = 'PROCESSING' AND generation = 0) \
-             OR (status = 'PROCESSING' AND generation > 0 AND locked_until <= {now} AND {} \
-             AND (pending_step IS NOT NULL OR locked_until <= {now} - {stranded_ms})) \
+             locked_until, {} FROM idempotency_records WHERE {} \
              ORDER BY created_at LIMIT {limit}",
             (self.read_key)("principal_id"),
             (self.read_key)("operation"),
@@ -423,6 +419,18 @@ impl Dialect {
             (self.read_key)("recovery_point"),
             (self.read_key)("claim_id"),
             self.parks,
+            self.unresolved_where(stranded_ms),
+        )
+    }
+
+    /// The condition of [`unresolved`](Self::unresolved): one definition
+    /// for the listing, the operators' counts and the gauges.
+    pub(crate) fn unresolved_where(&self, stranded_ms: i64) -> String {
+        format!(
+            "(status = 'NEEDS_RECONCILIATION' \
+             OR (status = 'PROCESSING' AND generation = 0) \
+             OR (status = 'PROCESSING' AND generation > 0 AND locked_until <= {now} AND {} \
+             AND (pending_step IS NOT NULL OR locked_until <= {now} - {stranded_ms})))",
             self.no_call_in_flight(),
             now = self.now,
         )
@@ -510,6 +518,29 @@ macro_rules! list_unresolved {
     };
 }
 pub(crate) use list_unresolved;
+
+/// Stamps out `Backend::count_unresolved` for a backend whose `DIALECT`
+/// is in scope.
+macro_rules! count_unresolved {
+    () => {
+        async fn count_unresolved(
+            pool: &sqlx::Pool<Self>,
+            stranded_ms: i64,
+        ) -> Result<(i64, Option<i64>, i64), sqlx::Error> {
+            use sqlx::FromRow as _;
+            let sql = format!(
+                "SELECT COUNT(*), MIN(created_at), {} FROM idempotency_records WHERE {}",
+                DIALECT.now,
+                DIALECT.unresolved_where(stranded_ms)
+            );
+            let row = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .fetch_one(pool)
+                .await?;
+            <(i64, Option<i64>, i64)>::from_row(&row)
+        }
+    };
+}
+pub(crate) use count_unresolved;
 
 /// Hex literal for SQLite and MySQL binary values.
 pub(crate) fn x_literal(value: &[u8]) -> String {

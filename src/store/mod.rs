@@ -51,6 +51,7 @@ use std::time::Duration;
 use sqlx::pool::PoolConnection;
 use sqlx::{Database, Pool, Transaction};
 
+mod admin;
 mod claimed;
 mod lease;
 mod literal;
@@ -61,6 +62,8 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
+pub use admin::AdminBackend;
+pub(crate) use admin::AuditNote;
 pub use claimed::Claimed;
 pub(crate) use lease::{CLAIM_ID, claim_data};
 pub use lease::{Fence, LeaseRecord, LeaseWrite};
@@ -696,6 +699,15 @@ pub trait Backend: Database {
         limit: i64,
         stranded_ms: i64,
     ) -> impl Future<Output = Result<Vec<UnresolvedRecord>, sqlx::Error>> + Send;
+
+    /// How many records [`list_unresolved`](Backend::list_unresolved)
+    /// would list with no limit, and the oldest one's `created_at` (epoch
+    /// milliseconds) with the database clock's `now`, as `(count, oldest,
+    /// now)`. One statement; the same definition as the listing.
+    fn count_unresolved(
+        pool: &Pool<Self>,
+        stranded_ms: i64,
+    ) -> impl Future<Output = Result<(i64, Option<i64>, i64), sqlx::Error>> + Send;
 
     /// Turns at most `limit` terminal rows (`SUCCEEDED`, `FAILED_FINAL`) whose
     /// `expires_at` is at or before `now` (epoch milliseconds; `None`: the

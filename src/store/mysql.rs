@@ -43,6 +43,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     3 => "0003_tombstone_purge_time",
     4 => "0004_lease_mode",
     5 => "0005_claim_fence",
+    6 => "0006_operator_audit",
 );
 
 impl Backend for MySql {
@@ -332,6 +333,7 @@ impl Backend for MySql {
 
     super::lease::list_leases!();
     super::lease::list_unresolved!();
+    super::lease::count_unresolved!();
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {
@@ -362,7 +364,7 @@ fn text(value: &str) -> String {
     format!("CONVERT({} USING utf8mb4)", x_literal(value.as_bytes()))
 }
 
-const DIALECT: Dialect = Dialect {
+pub(super) const DIALECT: Dialect = Dialect {
     key: |value| x_literal(value.as_bytes()),
     text,
     blob: x_literal,

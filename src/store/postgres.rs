@@ -31,6 +31,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     4 => "0004_lease_mode",
     5 => "0005_claim_fence",
     6 => "0006_claim_functions",
+    7 => "0007_operator_audit",
 );
 
 impl Backend for Postgres {
@@ -301,6 +302,7 @@ impl Backend for Postgres {
 
     super::lease::list_leases!();
     super::lease::list_unresolved!();
+    super::lease::count_unresolved!();
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {
@@ -420,7 +422,7 @@ fn claim_outcome(row: &PgRow) -> Result<Option<ClaimOutcome<Postgres>>, sqlx::Er
 /// Lease times are read from the wall clock at the statement
 /// (`clock_timestamp()`), not at the transaction's start: a phase that
 /// commits after a long transaction gets a full lease from its commit.
-const DIALECT: Dialect = Dialect {
+pub(super) const DIALECT: Dialect = Dialect {
     key: text,
     text,
     blob: bytea,

@@ -25,6 +25,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     3 => "0003_tombstone_purge_time",
     4 => "0004_lease_mode",
     5 => "0005_claim_fence",
+    6 => "0006_operator_audit",
 );
 
 impl Backend for Sqlite {
@@ -242,6 +243,7 @@ impl Backend for Sqlite {
 
     super::lease::list_leases!();
     super::lease::list_unresolved!();
+    super::lease::count_unresolved!();
 
     fn error_kind(err: &sqlx::Error) -> StoreErrorKind {
         if let Some(kind) = generic_error_kind(err) {
@@ -269,7 +271,7 @@ fn text(value: &str) -> String {
     format!("CAST({} AS TEXT)", x_literal(value.as_bytes()))
 }
 
-const DIALECT: Dialect = Dialect {
+pub(super) const DIALECT: Dialect = Dialect {
     key: text,
     text,
     blob: x_literal,

@@ -5,6 +5,10 @@
 
 use std::path::{Path, PathBuf};
 
+/// The operators' tests: a fresh ledger with a parked payment.
+#[cfg(all(feature = "testkit", feature = "postgres", feature = "sqlite"))]
+pub mod ledger;
+
 /// The example binary `name` that `cargo test` builds next to this test,
 /// refused when missing or older than its source.
 pub fn example(name: &str) -> PathBuf {

@@ -1,0 +1,243 @@
+//! One ledger row as an operator sees it, and how to name it.
+
+use std::borrow::Cow;
+
+use serde_json::{Value, json};
+
+use crate::store::{RecordStatus, Scope, UnresolvedRecord};
+
+/// Every column of one ledger row, as read (see [`Ledger::show`](super::Ledger::show)).
+///
+/// A snapshot: the row may change the moment after it was read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LedgerRow {
+    /// The stored principal (`sha256:…` when it was long).
+    pub principal: String,
+    /// The stored operation.
+    pub operation: String,
+    /// The stored key (`sha256:…` with hashed keys, or when it was long).
+    pub key: String,
+    /// The row's status.
+    pub status: RecordStatus,
+    /// The request fingerprint (SHA-256).
+    pub fingerprint: Vec<u8>,
+    /// The recorded answer's status code.
+    pub response_status: Option<i32>,
+    /// The recorded answer's headers, encoded (`name:value\n` each).
+    pub response_headers: Option<Vec<u8>>,
+    /// The recorded answer's body.
+    pub response_body: Option<Vec<u8>>,
+    /// The created resource's id, when the handler named one.
+    pub resource_id: Option<String>,
+    /// When the key was claimed, epoch milliseconds (database clock).
+    pub created_at: i64,
+    /// End of retention (a tombstone's: when it may be purged), epoch ms.
+    pub expires_at: i64,
+    /// Lease mode: the fencing generation (0 for the default mode).
+    pub generation: i64,
+    /// Lease mode: when the lease ends or ended, epoch ms.
+    pub locked_until: Option<i64>,
+    /// Lease mode: the last committed recovery point.
+    pub recovery_point: Option<String>,
+    /// Lease mode: what the phases and steps saved (a JSON object).
+    pub recovery_data: Option<Vec<u8>>,
+    /// Lease mode: the external step whose outcome is not recorded.
+    pub pending_step: Option<String>,
+    /// Lease mode: until when the pending step's call may still land.
+    pub pending_until: Option<i64>,
+    /// Lease mode: the claim's random id.
+    pub claim_id: Option<String>,
+    /// Lease mode: how often the row was parked.
+    pub parks: i64,
+    /// The database clock when the row was read, epoch ms: ages are
+    /// measured against it, never against this machine's clock.
+    pub read_at: i64,
+}
+
+impl LedgerRow {
+    /// How long ago the key was claimed, milliseconds (database clock).
+    pub fn age_ms(&self) -> i64 {
+        self.read_at.saturating_sub(self.created_at)
+    }
+
+    /// Whether the outcome is settled (`SUCCEEDED`, `FAILED_FINAL`, or an
+    /// `EXPIRED` tombstone): no verdict applies to it.
+    pub fn is_settled(&self) -> bool {
+        self.status.is_terminal() || self.status == RecordStatus::Expired
+    }
+
+    /// The row as a record a verdict can name: its claim, generation and
+    /// parks as read now. `None` when it is settled.
+    pub fn as_unresolved(&self) -> Option<UnresolvedRecord> {
+        if self.is_settled() {
+            return None;
+        }
+        Some(UnresolvedRecord {
+            principal: self.principal.clone(),
+            operation: self.operation.clone(),
+            key: self.key.clone(),
+            status: self.status,
+            response_status: self.response_status,
+            created_at: self.created_at,
+            generation: self.generation,
+            pending_step: self.pending_step.clone(),
+            recovery_point: self.recovery_point.clone(),
+            claim_id: self.claim_id.clone(),
+            locked_until: self.locked_until,
+            parks: self.parks,
+        })
+    }
+
+    /// The recorded headers as `(name, value)` text pairs.
+    pub fn headers(&self) -> Vec<(String, String)> {
+        let Some(encoded) = &self.response_headers else {
+            return Vec::new();
+        };
+        encoded
+            .split(|&b| b == b'\n')
+            .filter(|l| !l.is_empty())
+            .filter_map(|line| {
+                let colon = line.iter().position(|&b| b == b':')?;
+                Some((
+                    String::from_utf8_lossy(&line[..colon]).into_owned(),
+                    String::from_utf8_lossy(&line[colon + 1..]).into_owned(),
+                ))
+            })
+            .collect()
+    }
+
+    /// The recorded body decoded as UTF-8 text; `None` when there is none
+    /// or it is not text.
+    pub fn body_text(&self) -> Option<&str> {
+        self.response_body
+            .as_deref()
+            .and_then(|b| std::str::from_utf8(b).ok())
+    }
+
+    /// The row as JSON: every column, the body as text when it is text
+    /// (`response_body`) and as hex otherwise (`response_body_hex`).
+    pub fn to_json(&self) -> Value {
+        let mut v = self.before_json();
+        if let Value::Object(map) = &mut v {
+            map.insert("fingerprint".into(), hex(&self.fingerprint).into());
+            map.insert(
+                "response_headers".into(),
+                self.headers()
+                    .into_iter()
+                    .map(|(n, v)| json!([n, v]))
+                    .collect::<Vec<_>>()
+                    .into(),
+            );
+            match (self.body_text(), &self.response_body) {
+                (Some(text), _) => {
+                    map.insert("response_body".into(), text.into());
+                }
+                (None, Some(bytes)) => {
+                    map.insert("response_body_hex".into(), hex(bytes).into());
+                }
+                (None, None) => {
+                    map.insert("response_body".into(), Value::Null);
+                }
+            }
+            map.insert("resource_id".into(), json!(self.resource_id));
+            map.insert("age_ms".into(), self.age_ms().into());
+            map.insert("read_at".into(), self.read_at.into());
+        }
+        v
+    }
+
+    /// What the audit trail keeps of the row before a verdict: its state,
+    /// not the answer (an unsettled row has none).
+    pub(crate) fn before_json(&self) -> Value {
+        json!({
+            "principal": self.principal,
+            "operation": self.operation,
+            "key": self.key,
+            "status": self.status.as_str(),
+            "response_status": self.response_status,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "generation": self.generation,
+            "locked_until": self.locked_until,
+            "recovery_point": self.recovery_point,
+            "recovery_data": self.recovery_data.as_deref().map(String::from_utf8_lossy),
+            "pending_step": self.pending_step,
+            "pending_until": self.pending_until,
+            "claim_id": self.claim_id,
+            "parks": self.parks,
+        })
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    crate::store::hex(bytes)
+}
+
+/// How an operator names a record: its scope as the client sent it, or as
+/// the ledger stores it (the `sha256:…` form that listings print).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lookup {
+    principal: String,
+    operation: String,
+    key: String,
+}
+
+impl Lookup {
+    /// The record of `(principal, operation, key)`. [`Ledger::show`](super::Ledger::show)
+    /// tries each value as given (the stored form a listing prints), then
+    /// as the layer stores it (long values, and every key with
+    /// `with_hashed_keys`, as `sha256:…`).
+    pub fn new(
+        principal: impl Into<String>,
+        operation: impl Into<String>,
+        key: impl Into<String>,
+    ) -> Self {
+        Self {
+            principal: principal.into(),
+            operation: operation.into(),
+            key: key.into(),
+        }
+    }
+
+    /// The stored scopes this lookup may name, most literal first, without
+    /// repeats (at most twelve, usually two).
+    pub(crate) fn candidates(&self) -> Vec<(String, String, String)> {
+        let forms = |v: &str, op: bool| -> Vec<String> {
+            let stored: Cow<'_, str> = if op {
+                crate::scope::http_operation(v)
+            } else {
+                crate::scope::bounded(v)
+            };
+            let mut out = vec![v.to_string()];
+            for f in [stored.into_owned(), crate::scope::hashed(v).into_owned()] {
+                if !out.contains(&f) {
+                    out.push(f);
+                }
+            }
+            out
+        };
+        let keys = forms(&self.key, false);
+        let mut out = Vec::new();
+        for p in forms(&self.principal, false).into_iter().take(2) {
+            for o in forms(&self.operation, true).into_iter().take(2) {
+                for k in &keys {
+                    let c = (p.clone(), o.clone(), k.clone());
+                    if !out.contains(&c) {
+                        out.push(c);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A scope borrowed from owned parts.
+pub(crate) fn scope_of(parts: &(String, String, String)) -> Scope<'_> {
+    Scope {
+        principal: &parts.0,
+        operation: &parts.1,
+        key: &parts.2,
+    }
+}

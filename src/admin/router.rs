@@ -1,0 +1,651 @@
+//! The operators' console: [`router`], JSON routes and a small
+//! server-rendered HTML page over a [`Ledger`].
+
+use axum::extract::rejection::{FormRejection, JsonRejection, NestedPathRejection};
+use axum::extract::{DefaultBodyLimit, NestedPath, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Form, Json, Router};
+use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::html;
+use super::{AdminBackend, Attribution, Ledger, LedgerRow, Lookup, Resolved, unresolved_json};
+use crate::store::UnresolvedRecord;
+use crate::{Resolution, ResolveError};
+
+/// The largest request body the console reads (a resolution with its
+/// answer): 64 KiB. Larger ones are answered `413`.
+pub const MAX_FORM_BYTES: usize = 64 * 1024;
+
+/// How many records the console lists by default.
+const DEFAULT_LIST: u32 = 100;
+
+/// The operator a request acts for, put in the request extensions by the
+/// application's authentication layer. Verdicts are recorded as theirs;
+/// without it, a resolution must name its `actor` itself (the field is
+/// then the operator's word, not a proof).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Actor(pub String);
+
+/// The operators' console for `ledger`, to be nested under a path of the
+/// application's choice (`Router::nest("/admin", admin::router(ledger))`).
+///
+/// | method and path | what |
+/// |---|---|
+/// | `GET /` | HTML: the unresolved records, with age, pending step and step key |
+/// | `GET /record?principal=…&operation=…&key=…` | HTML: one record, its audit trail, a form that settles it |
+/// | `POST /resolve` | HTML form post: settles it, answers a confirmation page (`409` when refused) |
+/// | `GET /api/unresolved?limit=N` | JSON: `{"records": […]}` (at most [`MAX_LIST`](super::MAX_LIST)) |
+/// | `GET /api/record?principal=…&operation=…&key=…` | JSON: the record and its audit trail (`404` when none) |
+/// | `POST /api/resolve` | JSON: settles a record (`409` with the reason when refused) |
+/// | `GET /api/status` | JSON: [`LedgerStatus`](super::LedgerStatus) |
+///
+/// # Authentication
+///
+/// The router never authenticates: mount it behind a layer that does, and
+/// that puts the operator's name in the request extensions as an
+/// [`Actor`]:
+///
+/// ```no_run
+/// # fn f(pool: sqlx::PgPool) -> axum::Router {
+/// use axum::extract::Request;
+/// use axum::middleware::{self, Next};
+/// use axum::response::{IntoResponse, Response};
+/// use tower_idempotency::admin::{self, Actor, Ledger};
+///
+/// async fn operators_only(mut req: Request, next: Next) -> Response {
+///     // Your single sign-on, mTLS or token check here.
+///     let token = std::env::var("ADMIN_TOKEN").unwrap_or_default();
+///     let sent = req.headers().get("authorization").and_then(|v| v.to_str().ok());
+///     if token.is_empty() || sent != Some(&format!("Bearer {token}")) {
+///         return http::StatusCode::UNAUTHORIZED.into_response();
+///     }
+///     req.extensions_mut().insert(Actor("on-call".into()));
+///     next.run(req).await
+/// }
+///
+/// axum::Router::new().nest(
+///     "/admin",
+///     admin::router(Ledger::new(pool)).layer(middleware::from_fn(operators_only)),
+/// )
+/// # }
+/// ```
+///
+/// # Cross-site request forgery
+///
+/// Every `POST` must come from the console's own origin: its `Origin`
+/// header (or, without one, its `Referer`) must name the same host and
+/// port as its `Host` header, else it is refused `403` before its body is
+/// read. Browsers send `Origin` on every cross-site `POST`, and a page on
+/// another site cannot forge it. A request with neither header is
+/// accepted only as `application/json` (a script or `curl`): a browser
+/// sends JSON across origins only after a CORS preflight, which this
+/// router never grants. Behind a proxy, keep the client's `Host` header
+/// (`proxy_set_header Host $host;`), or the check refuses every form.
+/// The session cookie an authentication layer may use should still be
+/// `SameSite=Lax` or stricter.
+///
+/// # Limits
+///
+/// Request bodies are capped at [`MAX_FORM_BYTES`]; listings at
+/// [`MAX_LIST`](super::MAX_LIST). Every value from the ledger is
+/// HTML-escaped in the pages. Store errors are answered `503` with a
+/// one-line reason, never a panic.
+pub fn router<DB: AdminBackend>(ledger: Ledger<DB>) -> Router {
+    Router::new()
+        .route("/", get(page_list::<DB>))
+        .route("/record", get(page_record::<DB>))
+        .route("/resolve", post(page_resolve::<DB>))
+        .route("/api/unresolved", get(api_list::<DB>))
+        .route("/api/record", get(api_record::<DB>))
+        .route("/api/resolve", post(api_resolve::<DB>))
+        .route("/api/status", get(api_status::<DB>))
+        .layer(DefaultBodyLimit::max(MAX_FORM_BYTES))
+        .with_state(ledger)
+}
+
+#[derive(Debug, Deserialize)]
+struct ListQuery {
+    limit: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ScopeQuery {
+    principal: String,
+    operation: String,
+    key: String,
+}
+
+impl ScopeQuery {
+    fn lookup(&self) -> Lookup {
+        Lookup::new(&self.principal, &self.operation, &self.key)
+    }
+}
+
+/// A resolution as the HTML form posts it (every field text).
+#[derive(Debug, Deserialize)]
+struct ResolveForm {
+    principal: String,
+    operation: String,
+    key: String,
+    verdict: String,
+    #[serde(default)]
+    status: String,
+    #[serde(default)]
+    content_type: String,
+    #[serde(default)]
+    body: String,
+    #[serde(default)]
+    reason: String,
+    #[serde(default)]
+    actor: String,
+    #[serde(default)]
+    generation: String,
+    #[serde(default)]
+    claim_id: String,
+    #[serde(default)]
+    parks: String,
+}
+
+/// A resolution as the JSON API takes it.
+#[derive(Debug, Deserialize)]
+struct ResolveJson {
+    principal: String,
+    operation: String,
+    key: String,
+    /// `succeeded`, `failed` or `rerun`.
+    verdict: String,
+    status: Option<u16>,
+    #[serde(default)]
+    headers: Vec<(String, String)>,
+    #[serde(default)]
+    body: String,
+    #[serde(default)]
+    reason: String,
+    actor: Option<String>,
+    /// The record as seen (all three, or none: then as it is now).
+    generation: Option<i64>,
+    claim_id: Option<String>,
+    parks: Option<i64>,
+}
+
+/// A resolution request, checked.
+struct Request {
+    lookup: Lookup,
+    resolution: Resolution,
+    by: Attribution,
+    /// The record as the operator saw it: `(generation, claim_id, parks)`.
+    seen: Option<(i64, Option<String>, i64)>,
+}
+
+/// Why a request was not carried out, as an answer.
+struct Refusal {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+    record: Option<Box<LedgerRow>>,
+}
+
+impl Refusal {
+    fn bad(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "bad_request",
+            message: message.into(),
+            record: None,
+        }
+    }
+
+    fn store(e: &sqlx::Error) -> Self {
+        tracing::warn!(error = %e, "admin console: the ledger failed");
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "store",
+            message: format!("the ledger failed: {e}"),
+            record: None,
+        }
+    }
+
+    fn json(&self) -> Response {
+        let body = json!({
+            "error": self.kind,
+            "message": self.message,
+            "record": self.record.as_deref().map(LedgerRow::to_json),
+        });
+        (self.status, Json(body)).into_response()
+    }
+
+    fn html(&self, base: html::Base<'_>) -> Response {
+        let page = html::refused(base, self.kind, &self.message, self.record.as_deref());
+        (self.status, Html(page)).into_response()
+    }
+}
+
+/// The CSRF defence (see [`router`]): `Ok` when the request comes from
+/// the console's own origin, or is JSON with neither `Origin` nor
+/// `Referer`.
+fn same_origin(headers: &HeaderMap, json_body: bool) -> Result<(), Refusal> {
+    let forbidden = |message: &str| Refusal {
+        status: StatusCode::FORBIDDEN,
+        kind: "cross_origin",
+        message: message.to_string(),
+        record: None,
+    };
+    let host = headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(|h| h.trim().to_ascii_lowercase());
+    let source = headers
+        .get(header::ORIGIN)
+        .or_else(|| headers.get(header::REFERER))
+        .map(|v| v.to_str().unwrap_or("\u{0}"));
+    let Some(source) = source else {
+        return if json_body {
+            Ok(())
+        } else {
+            Err(forbidden(
+                "a form post without Origin or Referer is refused (cross-site request forgery defence)",
+            ))
+        };
+    };
+    // `scheme://authority[/…]`; the opaque origin `null` has no authority.
+    let authority = source
+        .split_once("://")
+        .map(|(_, rest)| rest.split(['/', '?', '#']).next().unwrap_or_default())
+        .map(str::to_ascii_lowercase);
+    match (authority, host) {
+        (Some(a), Some(h)) if !a.is_empty() && a == h => Ok(()),
+        _ => Err(forbidden(
+            "the request comes from another origin than the console's (cross-site request forgery defence)",
+        )),
+    }
+}
+
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| {
+            ct.split(';')
+                .next()
+                .is_some_and(|m| m.trim().eq_ignore_ascii_case("application/json"))
+        })
+}
+
+impl Request {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        scope: (String, String, String),
+        verdict: &str,
+        status: Option<u16>,
+        headers: Vec<(String, String)>,
+        body: String,
+        actor: Option<&Actor>,
+        given_actor: Option<&str>,
+        reason: &str,
+        seen: Option<(i64, Option<String>, i64)>,
+    ) -> Result<Self, Refusal> {
+        let actor = match (actor, given_actor.map(str::trim).filter(|a| !a.is_empty())) {
+            (Some(Actor(a)), _) => a.clone(),
+            (None, Some(a)) => a.to_string(),
+            (None, None) => {
+                return Err(Refusal::bad("no actor: the request must name who resolves"));
+            }
+        };
+        let by = Attribution::new(&actor, reason).map_err(|e| Refusal::bad(e.to_string()))?;
+        let resolution = match verdict {
+            "rerun" => Resolution::Rerun,
+            "succeeded" | "failed" => {
+                let status = status
+                    .ok_or_else(|| Refusal::bad("a succeeded or failed verdict needs a status"))?;
+                if !(200..=599).contains(&status) {
+                    return Err(Refusal::bad("the status must be 200 to 599"));
+                }
+                let mut res = http::Response::builder().status(status);
+                for (name, value) in &headers {
+                    res = res.header(name.trim(), value.trim());
+                }
+                let res = res
+                    .body(Bytes::from(body))
+                    .map_err(|e| Refusal::bad(format!("the answer: {e}")))?;
+                if verdict == "succeeded" {
+                    Resolution::Succeeded(res)
+                } else {
+                    Resolution::Failed(res)
+                }
+            }
+            _ => {
+                return Err(Refusal::bad(
+                    "the verdict must be succeeded, failed or rerun",
+                ));
+            }
+        };
+        Ok(Self {
+            lookup: Lookup::new(&scope.0, &scope.1, &scope.2),
+            resolution,
+            by,
+            seen,
+        })
+    }
+
+    fn from_form(f: ResolveForm, actor: Option<&Actor>) -> Result<Self, Refusal> {
+        let status = match f.status.trim() {
+            "" => None,
+            s => Some(
+                s.parse::<u16>()
+                    .map_err(|_| Refusal::bad("the status must be a number"))?,
+            ),
+        };
+        let headers = match f.content_type.trim() {
+            "" => Vec::new(),
+            ct => vec![("content-type".to_string(), ct.to_string())],
+        };
+        let seen = match (f.generation.trim(), f.parks.trim()) {
+            ("", _) | (_, "") => None,
+            (g, p) => Some((
+                g.parse().map_err(|_| Refusal::bad("bad generation"))?,
+                Some(f.claim_id.trim().to_string()).filter(|c| !c.is_empty()),
+                p.parse().map_err(|_| Refusal::bad("bad parks"))?,
+            )),
+        };
+        Self::new(
+            (f.principal, f.operation, f.key),
+            f.verdict.trim(),
+            status,
+            headers,
+            f.body,
+            actor,
+            Some(&f.actor),
+            &f.reason,
+            seen,
+        )
+    }
+
+    fn from_json(j: ResolveJson, actor: Option<&Actor>) -> Result<Self, Refusal> {
+        let seen = match (j.generation, j.parks) {
+            (Some(g), Some(p)) => Some((g, j.claim_id, p)),
+            _ => None,
+        };
+        Self::new(
+            (j.principal, j.operation, j.key),
+            j.verdict.trim(),
+            j.status,
+            j.headers,
+            j.body,
+            actor,
+            j.actor.as_deref(),
+            &j.reason,
+            seen,
+        )
+    }
+}
+
+/// Carries a resolution out: on the record as the operator saw it when
+/// the request names it, else as it is now.
+async fn carry_out<DB: AdminBackend>(
+    ledger: &Ledger<DB>,
+    req: Request,
+) -> Result<Resolved, Refusal> {
+    let Request {
+        lookup,
+        resolution,
+        by,
+        seen,
+    } = req;
+    let outcome = match seen {
+        None => ledger.resolve_lookup(&lookup, resolution, &by).await,
+        Some((generation, claim_id, parks)) => {
+            match ledger.show(&lookup).await {
+                Err(e) => Err(ResolveError::Store(e)),
+                Ok(None) => Err(ResolveError::Gone),
+                Ok(Some(before)) if before.is_settled() => Err(ResolveError::Settled {
+                    status: before.status,
+                }),
+                Ok(Some(before)) => {
+                    // The stored scope found, fenced as the operator saw it.
+                    let record = UnresolvedRecord {
+                        principal: before.principal.clone(),
+                        operation: before.operation.clone(),
+                        key: before.key.clone(),
+                        status: before.status,
+                        response_status: before.response_status,
+                        created_at: before.created_at,
+                        generation,
+                        pending_step: before.pending_step.clone(),
+                        recovery_point: before.recovery_point.clone(),
+                        claim_id,
+                        locked_until: before.locked_until,
+                        parks,
+                    };
+                    match ledger.resolve(&record, resolution, &by).await {
+                        Ok(()) => match ledger.show(&lookup).await {
+                            Ok(after) => Ok(Resolved { before, after }),
+                            Err(e) => Err(ResolveError::Store(e)),
+                        },
+                        Err(e) => Err(e),
+                    }
+                }
+            }
+        }
+    };
+    match outcome {
+        Ok(done) => Ok(done),
+        Err(ResolveError::Store(e)) => Err(Refusal::store(&e)),
+        Err(e) => {
+            let (status, kind) = match &e {
+                ResolveError::Gone => (StatusCode::NOT_FOUND, "gone"),
+                ResolveError::Settled { .. } => (StatusCode::CONFLICT, "settled"),
+                ResolveError::Held { .. } => (StatusCode::CONFLICT, "held"),
+                _ => (StatusCode::CONFLICT, "changed"),
+            };
+            let record = ledger.show(&lookup).await.ok().flatten();
+            let message = match (&e, &record) {
+                (ResolveError::Settled { .. }, Some(now)) => {
+                    let who = match ledger
+                        .audit(&row_scope(now))
+                        .await
+                        .ok()
+                        .and_then(|t| t.into_iter().last())
+                    {
+                        Some(last) => format!("{} ({})", last.actor, last.reason),
+                        None => "the service (a client's retry or the completer)".to_string(),
+                    };
+                    format!(
+                        "the record was settled first by {who}; it is {} now",
+                        match now.response_status {
+                            Some(s) => format!("{} {s}", now.status.as_str()),
+                            None => now.status.as_str().to_string(),
+                        }
+                    )
+                }
+                _ => e.to_string(),
+            };
+            Err(Refusal {
+                status,
+                kind,
+                message,
+                record: record.map(Box::new),
+            })
+        }
+    }
+}
+
+fn row_scope(row: &LedgerRow) -> crate::store::Scope<'_> {
+    crate::store::Scope {
+        principal: &row.principal,
+        operation: &row.operation,
+        key: &row.key,
+    }
+}
+
+async fn api_list<DB: AdminBackend>(
+    State(ledger): State<Ledger<DB>>,
+    Query(q): Query<ListQuery>,
+) -> Response {
+    let limit = q.limit.unwrap_or(DEFAULT_LIST);
+    let listed =
+        async { Ok::<_, sqlx::Error>((ledger.unresolved(limit).await?, ledger.clock().await?)) }
+            .await;
+    match listed {
+        Ok((records, now)) => Json(json!({
+            "records": records.iter().map(|r| unresolved_json(r, now)).collect::<Vec<_>>(),
+        }))
+        .into_response(),
+        Err(e) => Refusal::store(&e).json(),
+    }
+}
+
+async fn api_record<DB: AdminBackend>(
+    State(ledger): State<Ledger<DB>>,
+    Query(q): Query<ScopeQuery>,
+) -> Response {
+    match ledger.show(&q.lookup()).await {
+        Ok(Some(row)) => match ledger.audit(&row_scope(&row)).await {
+            Ok(trail) => {
+                let mut v = row.to_json();
+                v["audit"] = trail.iter().map(|e| e.to_json()).collect::<Vec<_>>().into();
+                v["step_key"] = json!(
+                    row.as_unresolved()
+                        .as_ref()
+                        .and_then(super::step_key)
+                        .map(|k| k.as_str().to_string())
+                );
+                Json(v).into_response()
+            }
+            Err(e) => Refusal::store(&e).json(),
+        },
+        Ok(None) => Refusal {
+            status: StatusCode::NOT_FOUND,
+            kind: "not_found",
+            message: "no such record".into(),
+            record: None,
+        }
+        .json(),
+        Err(e) => Refusal::store(&e).json(),
+    }
+}
+
+async fn api_status<DB: AdminBackend>(State(ledger): State<Ledger<DB>>) -> Response {
+    match ledger.status().await {
+        Ok(s) => Json(s.to_json()).into_response(),
+        Err(e) => Refusal::store(&e).json(),
+    }
+}
+
+async fn api_resolve<DB: AdminBackend>(
+    State(ledger): State<Ledger<DB>>,
+    actor: Option<Extension<Actor>>,
+    headers: HeaderMap,
+    body: Result<Json<ResolveJson>, JsonRejection>,
+) -> Response {
+    if let Err(refused) = same_origin(&headers, is_json(&headers)) {
+        return refused.json();
+    }
+    let Json(body) = match body {
+        Ok(body) => body,
+        Err(e) => {
+            return Refusal {
+                status: e.status(),
+                kind: "bad_request",
+                message: e.body_text(),
+                record: None,
+            }
+            .json();
+        }
+    };
+    let req = match Request::from_json(body, actor.as_deref()) {
+        Ok(req) => req,
+        Err(refused) => return refused.json(),
+    };
+    match carry_out(&ledger, req).await {
+        Ok(done) => Json(json!({
+            "resolved": true,
+            "before": done.before.to_json(),
+            "after": done.after.as_ref().map(LedgerRow::to_json),
+        }))
+        .into_response(),
+        Err(refused) => refused.json(),
+    }
+}
+
+/// The prefix the console is nested at (`""` when it is not).
+fn prefix(nested: &Result<NestedPath, NestedPathRejection>) -> &str {
+    nested
+        .as_ref()
+        .map_or("", |n| n.as_str().trim_end_matches('/'))
+}
+
+async fn page_list<DB: AdminBackend>(
+    State(ledger): State<Ledger<DB>>,
+    nested: Result<NestedPath, NestedPathRejection>,
+    Query(q): Query<ListQuery>,
+) -> Response {
+    let base = html::Base(prefix(&nested));
+    let limit = q.limit.unwrap_or(DEFAULT_LIST);
+    let listed =
+        async { Ok::<_, sqlx::Error>((ledger.unresolved(limit).await?, ledger.clock().await?)) }
+            .await;
+    match listed {
+        Ok((records, now)) => Html(html::list(base, &records, now)).into_response(),
+        Err(e) => Refusal::store(&e).html(base),
+    }
+}
+
+async fn page_record<DB: AdminBackend>(
+    State(ledger): State<Ledger<DB>>,
+    nested: Result<NestedPath, NestedPathRejection>,
+    Query(q): Query<ScopeQuery>,
+) -> Response {
+    let base = html::Base(prefix(&nested));
+    match ledger.show(&q.lookup()).await {
+        Ok(Some(row)) => match ledger.audit(&row_scope(&row)).await {
+            Ok(trail) => Html(html::record(base, &row, &trail)).into_response(),
+            Err(e) => Refusal::store(&e).html(base),
+        },
+        Ok(None) => Refusal {
+            status: StatusCode::NOT_FOUND,
+            kind: "not_found",
+            message: "no such record".into(),
+            record: None,
+        }
+        .html(base),
+        Err(e) => Refusal::store(&e).html(base),
+    }
+}
+
+async fn page_resolve<DB: AdminBackend>(
+    State(ledger): State<Ledger<DB>>,
+    nested: Result<NestedPath, NestedPathRejection>,
+    actor: Option<Extension<Actor>>,
+    headers: HeaderMap,
+    form: Result<Form<ResolveForm>, FormRejection>,
+) -> Response {
+    let base = html::Base(prefix(&nested));
+    if let Err(refused) = same_origin(&headers, false) {
+        return refused.html(base);
+    }
+    let Form(form) = match form {
+        Ok(form) => form,
+        Err(e) => {
+            return Refusal {
+                status: e.status(),
+                kind: "bad_request",
+                message: e.body_text(),
+                record: None,
+            }
+            .html(base);
+        }
+    };
+    let req = match Request::from_form(form, actor.as_deref()) {
+        Ok(req) => req,
+        Err(refused) => return refused.html(base),
+    };
+    let by = req.by.clone();
+    match carry_out(&ledger, req).await {
+        Ok(done) => Html(html::resolved(base, &done, &by)).into_response(),
+        Err(refused) => refused.html(base),
+    }
+}

@@ -1,0 +1,347 @@
+//! `admin::router()` driven with `oneshot`: the JSON routes, the HTML
+//! pages (escaped), the form post and its confirmation, the refusal when
+//! someone settled first, the CSRF defence and the body limit.
+
+mod common;
+
+use axum::Router;
+use axum::body::Body;
+use common::ledger::{OPERATION, PAY, PAYER, Store, park, pay_app};
+use http::{Request, StatusCode};
+use serde_json::json;
+use tower_idempotency::admin::{self, Actor, Ledger};
+use tower_idempotency::testkit::lease::payment;
+use tower_idempotency::testkit::{Answer, send};
+
+macro_rules! on_every_store {
+    ($($case:ident),+ $(,)?) => {
+        mod postgres {
+            $(#[tokio::test(flavor = "multi_thread")]
+            async fn $case() { super::$case::<sqlx::Postgres>().await })+
+        }
+        mod sqlite {
+            $(#[tokio::test(flavor = "multi_thread")]
+            async fn $case() { super::$case::<sqlx::Sqlite>().await })+
+        }
+        #[cfg(feature = "mysql")]
+        mod mysql {
+            $(#[tokio::test(flavor = "multi_thread")]
+            async fn $case() { super::$case::<sqlx::MySql>().await })+
+        }
+    };
+}
+
+on_every_store!(
+    json_routes_list_show_resolve_and_refuse_when_settled,
+    html_pages_escape_and_the_form_settles_a_record,
+    cross_site_posts_are_refused,
+);
+
+/// The key the client sent (an SF string), and as stored (unquoted):
+/// markup that the pages must escape.
+const SENT: &str = "\"pay-<b>x</b>&'1'\"";
+const KEY: &str = "pay-<b>x</b>&'1'";
+const HOST: &str = "console.test";
+
+/// The console behind a stand-in for the application's authentication,
+/// which names the operator.
+fn console<DB: Store>(pool: sqlx::Pool<DB>, actor: Option<&str>) -> Router {
+    let router = admin::router(Ledger::new(pool));
+    match actor {
+        Some(a) => router.layer(axum::Extension(Actor(a.to_string()))),
+        None => router,
+    }
+}
+
+fn get(path: &str) -> Request<Body> {
+    Request::get(path)
+        .header("host", HOST)
+        .body(Body::empty())
+        .unwrap()
+}
+
+fn post_json(path: &str, body: serde_json::Value, origin: Option<&str>) -> Request<Body> {
+    let mut b = Request::post(path)
+        .header("host", HOST)
+        .header("content-type", "application/json");
+    if let Some(o) = origin {
+        b = b.header("origin", o);
+    }
+    b.body(Body::from(body.to_string())).unwrap()
+}
+
+fn form(fields: &[(&str, &str)]) -> String {
+    fields
+        .iter()
+        .map(|(k, v)| {
+            let enc = |s: &str| {
+                s.bytes()
+                    .map(|b| {
+                        if b.is_ascii_alphanumeric() {
+                            (b as char).to_string()
+                        } else {
+                            format!("%{b:02X}")
+                        }
+                    })
+                    .collect::<String>()
+            };
+            format!("{}={}", enc(k), enc(v))
+        })
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
+fn post_form(body: String, headers: &[(&str, &str)]) -> Request<Body> {
+    let mut b = Request::post("/resolve")
+        .header("host", HOST)
+        .header("content-type", "application/x-www-form-urlencoded");
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    b.body(Body::from(body)).unwrap()
+}
+
+fn text(a: &Answer) -> String {
+    String::from_utf8(a.body.to_vec()).unwrap()
+}
+
+fn record_query(key: &str) -> String {
+    let enc = |s: &str| {
+        s.bytes()
+            .map(|b| {
+                if b.is_ascii_alphanumeric() {
+                    (b as char).to_string()
+                } else {
+                    format!("%{b:02X}")
+                }
+            })
+            .collect::<String>()
+    };
+    format!(
+        "principal={}&operation={}&key={}",
+        enc(PAYER),
+        enc(OPERATION),
+        enc(key)
+    )
+}
+
+async fn json_routes_list_show_resolve_and_refuse_when_settled<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let c = console(h.pool.clone(), Some("alice"));
+
+    let listed = send(&c, get("/api/unresolved?limit=5")).await;
+    assert_eq!(listed.status, StatusCode::OK, "{listed:?}");
+    let records = listed.json()["records"].as_array().unwrap().clone();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0]["pending_step"], "charge");
+    let shown = send(&c, get(&format!("/api/record?{}", record_query("pay-1")))).await;
+    assert_eq!(shown.status, StatusCode::OK, "{shown:?}");
+    assert_eq!(shown.json()["status"], "NEEDS_RECONCILIATION");
+    assert_eq!(shown.json()["step_key"], records[0]["step_key"]);
+    let missing = send(&c, get(&format!("/api/record?{}", record_query("nope")))).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+
+    let verdict = json!({
+        "principal": PAYER, "operation": OPERATION, "key": "pay-1",
+        "verdict": "succeeded", "status": 201,
+        "headers": [["content-type", "application/json"]],
+        "body": "{\"chargeId\":\"ch_console\"}",
+        "reason": "provider shows ch_console",
+    });
+    // No reason: 400, nothing written.
+    let mut no_reason = verdict.clone();
+    no_reason["reason"] = json!("  ");
+    let bad = send(&c, post_json("/api/resolve", no_reason, None)).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{bad:?}");
+    // A script (no Origin) may post JSON.
+    let done = send(&c, post_json("/api/resolve", verdict.clone(), None)).await;
+    assert_eq!(done.status, StatusCode::OK, "{done:?}");
+    assert_eq!(done.json()["after"]["status"], "SUCCEEDED");
+    assert_eq!(done.json()["before"]["status"], "NEEDS_RECONCILIATION");
+    let retry = send(&app.router, payment("pay-1", PAY)).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(&retry.body[..], br#"{"chargeId":"ch_console"}"#);
+
+    // Someone settled it first: 409, who and what it is now.
+    let bob = console(h.pool.clone(), Some("bob"));
+    let mut rerun = verdict.clone();
+    rerun["verdict"] = json!("rerun");
+    let late = send(&bob, post_json("/api/resolve", rerun, None)).await;
+    assert_eq!(late.status, StatusCode::CONFLICT, "{late:?}");
+    assert_eq!(late.json()["error"], "settled");
+    let message = late.json()["message"].as_str().unwrap().to_string();
+    assert!(
+        message.contains("alice") && message.contains("SUCCEEDED 201"),
+        "{message}"
+    );
+    let trail = send(&c, get(&format!("/api/record?{}", record_query("pay-1")))).await;
+    let audit = trail.json()["audit"].as_array().unwrap().clone();
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert_eq!(
+        audit[0]["actor"], "alice",
+        "the Actor extension, not the body"
+    );
+
+    // Without an Actor from authentication, the request must name one.
+    let anonymous = console(h.pool.clone(), None);
+    let park2 = park(&app, "pay-2");
+    park2.await;
+    let mut v2 = verdict.clone();
+    v2["key"] = json!("pay-2");
+    let refused = send(&anonymous, post_json("/api/resolve", v2.clone(), None)).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{refused:?}");
+    v2["actor"] = json!("carol");
+    let ok = send(&anonymous, post_json("/api/resolve", v2, None)).await;
+    assert_eq!(ok.status, StatusCode::OK, "{ok:?}");
+
+    let status = send(&c, get("/api/status")).await;
+    assert_eq!(status.status, StatusCode::OK);
+    assert_eq!(status.json()["parked"], 0);
+    assert_eq!(status.json()["counts"][0]["rows"], 2);
+}
+
+async fn html_pages_escape_and_the_form_settles_a_record<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, SENT).await;
+    let c = console(h.pool.clone(), Some("alice"));
+
+    let list = send(&c, get("/")).await;
+    assert_eq!(list.status, StatusCode::OK);
+    assert_eq!(list.headers["content-type"], "text/html; charset=utf-8");
+    let page = text(&list);
+    assert!(
+        page.contains("pay-&lt;b&gt;x&lt;/b&gt;&amp;&#39;1&#39;"),
+        "{page}"
+    );
+    assert!(!page.contains("<b>x</b>"), "unescaped ledger value: {page}");
+    assert!(page.contains("charge"), "{page}");
+    assert!(page.contains("NEEDS_RECONCILIATION"));
+
+    // Nested, its links and its form name the prefix.
+    let nested = Router::new().nest("/admin", console(h.pool.clone(), Some("alice")));
+    let page = text(&send(&nested, get("/admin")).await);
+    assert!(page.contains("href=\"/admin/record?principal="), "{page}");
+    let page = text(
+        &send(
+            &nested,
+            get(&format!("/admin/record?{}", record_query(KEY))),
+        )
+        .await,
+    );
+    assert!(page.contains("action=\"/admin/resolve\""), "{page}");
+
+    let record = send(&c, get(&format!("/record?{}", record_query(KEY)))).await;
+    assert_eq!(record.status, StatusCode::OK, "{record:?}");
+    let page = text(&record);
+    assert!(!page.contains("<b>x</b>"), "{page}");
+    assert!(page.contains("<form"), "{page}");
+    assert!(page.contains("name=\"reason\""));
+    // The generation the page showed is posted back with the verdict.
+    let shown = send(&c, get(&format!("/api/record?{}", record_query(KEY))))
+        .await
+        .json();
+    let generation = shown["generation"].to_string();
+    let parks = shown["parks"].to_string();
+    let claim = shown["claim_id"].as_str().unwrap().to_string();
+    let fields = |verdict: &'static str| {
+        form(&[
+            ("principal", PAYER),
+            ("operation", OPERATION),
+            ("key", KEY),
+            ("generation", &generation),
+            ("claim_id", &claim),
+            ("parks", &parks),
+            ("verdict", verdict),
+            ("status", "201"),
+            ("content_type", "application/json"),
+            ("body", r#"{"chargeId":"ch_form"}"#),
+            ("reason", "provider <shows> ch_form"),
+        ])
+    };
+    let origin = format!("http://{HOST}");
+    // The record as the page showed it is what the verdict names: one
+    // parked again since (a stale page) is refused, nothing written.
+    let stale = fields("succeeded").replace(&format!("parks={parks}"), "parks=0");
+    assert_ne!(stale, fields("succeeded"));
+    let refused = send(&c, post_form(stale, &[("origin", &origin)])).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{refused:?}");
+    assert!(text(&refused).contains("Refused (changed)"), "{refused:?}");
+    let gone = fields("succeeded").replace("key=pay", "key=nopay");
+    let refused = send(&c, post_form(gone, &[("origin", &origin)])).await;
+    assert_eq!(refused.status, StatusCode::NOT_FOUND, "{refused:?}");
+    assert!(text(&refused).contains("Refused (gone)"), "{refused:?}");
+    let done = send(&c, post_form(fields("succeeded"), &[("origin", &origin)])).await;
+    assert_eq!(done.status, StatusCode::OK, "{done:?}");
+    let page = text(&done);
+    assert!(page.contains("Verdict recorded"), "{page}");
+    assert!(page.contains("SUCCEEDED 201"), "{page}");
+    assert!(page.contains("provider &lt;shows&gt; ch_form"), "{page}");
+    let retry = send(&app.router, payment(SENT, PAY)).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(&retry.body[..], br#"{"chargeId":"ch_form"}"#);
+
+    // The same form again: someone (here: this operator) settled it first.
+    let referer = format!("http://{HOST}/admin/record?x=1");
+    let again = send(&c, post_form(fields("rerun"), &[("referer", &referer)])).await;
+    assert_eq!(again.status, StatusCode::CONFLICT, "{again:?}");
+    let page = text(&again);
+    assert!(page.contains("Refused (settled)"), "{page}");
+    assert!(page.contains("SUCCEEDED 201"), "{page}");
+
+    // Bodies past the limit are refused before they are read.
+    let huge = form(&[("principal", PAYER), ("body", &"x".repeat(100_000))]);
+    let too_big = send(&c, post_form(huge, &[("origin", &origin)])).await;
+    assert_eq!(too_big.status, StatusCode::PAYLOAD_TOO_LARGE, "{too_big:?}");
+
+    let list = text(&send(&c, get("/")).await);
+    assert!(list.contains("Nothing unresolved"), "{list}");
+}
+
+async fn cross_site_posts_are_refused<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let c = console(h.pool.clone(), Some("alice"));
+    let fields = form(&[
+        ("principal", PAYER),
+        ("operation", OPERATION),
+        ("key", "pay-1"),
+        ("verdict", "rerun"),
+        ("reason", "forged"),
+    ]);
+    for headers in [
+        vec![("origin", "http://evil.example")],
+        vec![("origin", "null")],
+        vec![("referer", "https://evil.example/console.test/")],
+        vec![("origin", "http://console.test.evil.example")],
+        // A form post with neither header.
+        vec![],
+    ] {
+        let a = send(&c, post_form(fields.clone(), &headers)).await;
+        assert_eq!(a.status, StatusCode::FORBIDDEN, "{headers:?}: {a:?}");
+        assert!(text(&a).contains("cross-site request forgery"), "{a:?}");
+    }
+    let verdict = json!({
+        "principal": PAYER, "operation": OPERATION, "key": "pay-1",
+        "verdict": "rerun", "reason": "forged",
+    });
+    let a = send(
+        &c,
+        post_json("/api/resolve", verdict, Some("https://evil.example")),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::FORBIDDEN, "{a:?}");
+    assert_eq!(a.json()["error"], "cross_origin");
+    // A text/plain post (a cross-site "simple" request) is no JSON.
+    let plain = Request::post("/api/resolve")
+        .header("host", HOST)
+        .header("content-type", "text/plain")
+        .body(Body::from("{}"))
+        .unwrap();
+    let a = send(&c, plain).await;
+    assert_eq!(a.status, StatusCode::FORBIDDEN, "{a:?}");
+    // Nothing was written.
+    let shown = send(&c, get(&format!("/api/record?{}", record_query("pay-1")))).await;
+    assert_eq!(shown.json()["status"], "NEEDS_RECONCILIATION");
+    assert_eq!(shown.json()["audit"], json!([]));
+}
