@@ -25,6 +25,16 @@
 //!   reconciliation, as for any handler that ends the transaction itself,
 //!   and a duplicate meets the committed row and never runs again
 //!   (`tests/nested_begin.rs`).
+//! - On MySQL/MariaDB the claimed transaction runs with `autocommit` off
+//!   (turned back on before the connection returns to the pool), so that
+//!   once the server rolls it back on its own (a deadlock, or on Galera a
+//!   certification conflict), nothing the handler sends afterwards commits
+//!   by itself: the layer rolls it back and answers with the winner's
+//!   recorded answer or a retryable `503`. `begin()` there starts a
+//!   transaction, which commits the layer's open one implicitly (held for
+//!   reconciliation, as above). A handler that sends `ROLLBACK` and
+//!   then commits writes of its own cannot be told from such a rollback:
+//!   those writes stay without a ledger row.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;

@@ -326,6 +326,112 @@ async fn node_killed_mid_transaction(cluster: &mut Cluster) -> Vec<String> {
     faults
 }
 
+/// Lease mode across nodes: the example payment service on node 0 is
+/// SIGKILLed after the provider charged; the client's retry goes to an
+/// instance on node 1, which takes the lapsed lease over, finds the charge
+/// under the same step key and answers: one charge, one captured payment.
+async fn lease_taken_over_on_another_node(cluster: &Cluster) -> Vec<String> {
+    const PAYMENT: &str =
+        r#"{"orderId":"o-1001","amount":12000,"currency":"KRW","source":"tok_visa"}"#;
+    let db = "lease";
+    cluster.create_database(db);
+    let (_provider, provider) =
+        common::start_example("fake_provider", &["--addr", "127.0.0.1:0"], &[]).await;
+    let url = format!("http://{provider}");
+    let service = |node: usize| {
+        let (url, db_url) = (url.clone(), cluster.url(node, db));
+        async move {
+            let args = [
+                "--addr",
+                "127.0.0.1:0",
+                "--provider",
+                &url,
+                "--lease-ms",
+                "1000",
+                "--provider-timeout-ms",
+                "5000",
+                "--completer-interval-ms",
+                "600000",
+            ];
+            common::start_example("payment_service", &args, &[("DATABASE_URL", &db_url)]).await
+        }
+    };
+    let (mut first, first_addr) = service(0).await;
+    let (_second, second_addr) = service(1).await;
+    let fault = r#"{"mode":"charge_then_hang","delay_ms":10000}"#;
+    let hang = http_call(&provider, Method::POST, "/faults", None, None, fault).await;
+    assert_eq!(hang.status, StatusCode::OK, "{hang:?}");
+    let pay = |addr: String| async move {
+        http_call::try_http_call(
+            &addr,
+            Method::POST,
+            "/payments",
+            Some("user-42"),
+            Some("pay-1"),
+            PAYMENT,
+        )
+        .await
+    };
+    let pending = tokio::spawn(pay(first_addr));
+    let charges = || async {
+        let a = http_call(&provider, Method::GET, "/charges", None, None, "").await;
+        a.json().as_array().map_or(0, Vec::len)
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while charges().await == 0 {
+        assert!(Instant::now() < deadline, "no charge within 20 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    first.start_kill().unwrap();
+    first.wait().await.unwrap();
+    let mut faults = Vec::new();
+    if let Ok(Ok(Ok(a))) = tokio::time::timeout(Duration::from_secs(1), pending).await {
+        faults.push(format!("the killed instance answered: {}", a.status));
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let answer = loop {
+        match pay(second_addr.clone()).await {
+            Ok(a) if a.status == StatusCode::CREATED => break Some(a),
+            Ok(a) if acceptable(&a) => {}
+            Ok(a) => faults.push(format!(
+                "retry on node 1: {} {}",
+                a.status,
+                a.problem_type()
+            )),
+            Err(e) => faults.push(format!("retry on node 1: {e}")),
+        }
+        if Instant::now() > deadline {
+            faults.push("the retry on node 1 never answered 201".into());
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let charged = charges().await;
+    if charged != 1 {
+        faults.push(format!("{charged} charges for one payment key"));
+    }
+    let pool = MySqlPool::connect(&cluster.url(2, db)).await.unwrap();
+    sqlx::raw_sql("SET SESSION wsrep_sync_wait = 1")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let captured: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM payments WHERE status = 'captured' AND charge_id IS NOT NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let payments: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM payments")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    if (payments, captured) != (1, 1) || answer.is_none() {
+        faults.push(format!("payments {payments}, captured {captured}"));
+    }
+    pool.close().await;
+    faults
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn galera_cluster_keeps_one_effect_per_key() {
     let started = Instant::now();
@@ -344,6 +450,7 @@ async fn galera_cluster_keeps_one_effect_per_key() {
         faults.extend(r.faults);
     }
     let conflicts: i64 = (0..3).map(|i| cluster.conflicts(i)).sum();
+    faults.extend(lease_taken_over_on_another_node(&cluster).await);
     faults.extend(node_killed_mid_transaction(&mut cluster).await);
     eprintln!(
         "galera: {rounds} rounds of 40 keys: {refused} retryable refusals, \

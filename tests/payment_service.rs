@@ -14,7 +14,6 @@
 
 mod common;
 
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -23,8 +22,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use sqlx::Pool;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 use tower_idempotency::store::RecordStatus;
 use tower_idempotency::testkit::{Cleanup, ConformanceDb as TestDb};
 use tower_idempotency::{Reconciler, Resolution};
@@ -40,24 +38,8 @@ const KEY: &str = "pay-20260914-001";
 
 /// Starts an example and reads the address from its first line.
 async fn spawn(name: &str, args: &[String], env: &[(&str, &str)]) -> (Child, String) {
-    let mut child = Command::new(common::example(name))
-        .args(args)
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(stdout).lines();
-    let line = tokio::time::timeout(START, lines.next_line())
-        .await
-        .unwrap_or_else(|_| panic!("{name} starts within {START:?}"))
-        .unwrap()
-        .unwrap_or_else(|| panic!("{name} printed no start-up line"));
-    let addr = common::address(&line);
-    // Keep reading stdout so the process never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    (child, addr)
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    common::start_example(name, &args, env).await
 }
 
 #[derive(Debug, Clone)]

@@ -240,3 +240,104 @@ async fn asynchronous_replication_keeps_orders_and_ledger_together() {
     // Each lost answer is a key whose clients then saw a second order id.
     assert_eq!(r.lost_answers, r.two_ids, "{r:?}");
 }
+
+/// Lease mode through a failover with asynchronous replication: the
+/// standby is cut off, then the example payment service claims a payment
+/// and the provider charges it (and holds its answer); the primary dies
+/// and the standby, which never saw the claim nor the pending payment, is
+/// promoted. The client's retry finds no record and makes a new claim,
+/// whose step key is the lost claim's: the provider answers with the first
+/// charge. One charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_payment_claim_lost_in_a_failover_is_charged_once() {
+    const PAYMENT: &str =
+        r#"{"orderId":"o-1001","amount":12000,"currency":"KRW","source":"tok_visa"}"#;
+    let mut pair = tokio::task::block_in_place(|| Pair::start(Replication::Asynchronous));
+    let relay = Relay::start(pair.addr(0)).await;
+    let (_provider, provider) =
+        common::start_example("fake_provider", &["--addr", "127.0.0.1:0"], &[]).await;
+    let provider_url = format!("http://{provider}");
+    let args = [
+        "--addr",
+        "127.0.0.1:0",
+        "--provider",
+        &provider_url,
+        "--provider-timeout-ms",
+        "5000",
+    ];
+    let db = relay.url();
+    let (_service, addr) =
+        common::start_example("payment_service", &args, &[("DATABASE_URL", &db)]).await;
+    let fault = r#"{"mode":"charge_then_hang","delay_ms":3000}"#;
+    let hang = http_call::http_call(&provider, Method::POST, "/faults", None, None, fault).await;
+    assert_eq!(hang.status, StatusCode::OK, "{hang:?}");
+    let charges = || async {
+        let a = http_call::http_call(&provider, Method::GET, "/charges", None, None, "").await;
+        a.json().as_array().map_or(0, Vec::len)
+    };
+    let pay = |addr: String| async move {
+        try_http_call(
+            &addr,
+            Method::POST,
+            "/payments",
+            Some("user-42"),
+            Some("pay-1"),
+            PAYMENT,
+        )
+        .await
+    };
+    pair.partition();
+    let first = tokio::spawn(pay(addr.clone()));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while charges().await == 0 {
+        assert!(Instant::now() < deadline, "no charge within 20 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::task::block_in_place(|| {
+        pair.kill_primary();
+        pair.promote_standby();
+    });
+    relay.repoint(pair.addr(1));
+    let first = first.await.unwrap();
+    assert!(
+        first
+            .as_ref()
+            .map_or(true, |a| a.status != StatusCode::CREATED),
+        "the first attempt cannot have recorded: {first:?}"
+    );
+    let pool = PgPool::connect(&pair.url(1)).await.unwrap();
+    let lost: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idempotency_records")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(lost, 0, "the promoted standby never saw the claim");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let answer = loop {
+        match pay(addr.clone()).await {
+            Ok(a) if a.status == StatusCode::CREATED => break a,
+            Ok(a) => assert!(
+                matches!(
+                    a.status,
+                    StatusCode::SERVICE_UNAVAILABLE | StatusCode::CONFLICT
+                ),
+                "{a:?}"
+            ),
+            Err(_) => {}
+        }
+        assert!(Instant::now() < deadline, "the retry never answered 201");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(charges().await, 1, "one charge for one payment key");
+    let captured: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM payments WHERE status = 'captured'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(captured, 1);
+    eprintln!(
+        "failover, lease mode, asynchronous replication: claim lost, {} charge, answer {}",
+        charges().await,
+        answer.status
+    );
+    pool.close().await;
+}

@@ -52,15 +52,31 @@ pub async fn order_service(
     delay_ms: u64,
     env: &[(&str, &str)],
 ) -> (tokio::process::Child, String) {
+    let env: Vec<_> = [("DATABASE_URL", url)]
+        .into_iter()
+        .chain(env.iter().copied())
+        .collect();
+    let delay = delay_ms.to_string();
+    start_example(
+        "order_service",
+        &["--addr", "127.0.0.1:0", "--handler-delay-ms", &delay],
+        &env,
+    )
+    .await
+}
+
+/// Starts example `name` with `args` and `env`, and reads its address
+/// from its first line (within 30 s); stdout is drained afterwards, so the
+/// process never blocks on a full pipe. The process is killed when
+/// dropped.
+pub async fn start_example(
+    name: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (tokio::process::Child, String) {
     use tokio::io::{AsyncBufReadExt, BufReader};
-    let mut child = tokio::process::Command::new(example("order_service"))
-        .args([
-            "--addr",
-            "127.0.0.1:0",
-            "--handler-delay-ms",
-            &delay_ms.to_string(),
-        ])
-        .env("DATABASE_URL", url)
+    let mut child = tokio::process::Command::new(example(name))
+        .args(args)
         .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
@@ -70,8 +86,9 @@ pub async fn order_service(
     let mut lines = BufReader::new(stdout).lines();
     let line = tokio::time::timeout(std::time::Duration::from_secs(30), lines.next_line())
         .await
-        .expect("the service starts")
+        .unwrap_or_else(|_| panic!("{name} starts within 30 s"))
         .unwrap()
-        .expect("a start-up line");
+        .unwrap_or_else(|| panic!("{name} printed no start-up line"));
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     (child, address(&line))
 }
