@@ -53,6 +53,32 @@ impl Instance {
     }
 }
 
+/// Sets the stock to a million. Not an idempotent request's business: a
+/// plain write, which the cluster may roll back (the service answers `503`
+/// with `Retry-After`, say while a new database's tables replicate), so
+/// it is sent again until it lands.
+async fn put_stock(addr: &str) {
+    let mut last = None;
+    for _ in 0..20 {
+        let put = http_call(
+            addr,
+            Method::PUT,
+            "/stock/A-10",
+            None,
+            None,
+            r#"{"qty":1000000}"#,
+        )
+        .await;
+        if put.status == StatusCode::OK {
+            return;
+        }
+        assert!(acceptable(&put), "PUT /stock: {put:?}");
+        last = Some(put);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("PUT /stock never landed: {last:?}");
+}
+
 /// What the cluster holds, read on `pool`'s node after it caught up.
 #[derive(Debug, PartialEq, Eq)]
 struct Rows {
@@ -151,16 +177,7 @@ async fn concurrent_round(cluster: &Cluster, db: &str, keys: usize) -> Round {
     let a = Instance::start(&cluster.url(0, db), 0).await;
     let b = Instance::start(&cluster.url(1, db), 0).await;
     let pool = MySqlPool::connect(&cluster.url(2, db)).await.unwrap();
-    let put = http_call(
-        &a.addr,
-        Method::PUT,
-        "/stock/A-10",
-        None,
-        None,
-        r#"{"qty":1000000}"#,
-    )
-    .await;
-    assert_eq!(put.status, StatusCode::OK, "{put:?}");
+    put_stock(&a.addr).await;
 
     let a = std::sync::Arc::new(a);
     let b = std::sync::Arc::new(b);
@@ -268,16 +285,7 @@ async fn node_killed_mid_transaction(cluster: &mut Cluster) -> Vec<String> {
     cluster.create_database(db);
     let slow = Instance::start(&cluster.url(1, db), 1500).await;
     let other = Instance::start(&cluster.url(0, db), 0).await;
-    let put = http_call(
-        &other.addr,
-        Method::PUT,
-        "/stock/A-10",
-        None,
-        None,
-        r#"{"qty":1000000}"#,
-    )
-    .await;
-    assert_eq!(put.status, StatusCode::OK, "{put:?}");
+    put_stock(&other.addr).await;
     let slow = std::sync::Arc::new(slow);
     let first = {
         let slow = slow.clone();
