@@ -198,6 +198,13 @@ impl<DB: Backend> Reconciler<DB> {
     /// written and the error says why: settled first (and what it is now),
     /// gone, held by an attempt right now (list again after its lease), or
     /// [`ResolveError::Changed`].
+    ///
+    /// This writes no audit row: it is the primitive for any [`Backend`],
+    /// and it does not know who decided or why. On the built-in stores,
+    /// settle through [`admin::Ledger::resolve`](crate::admin::Ledger::resolve)
+    /// (what the CLI and the console use), which records the actor, the
+    /// reason, the database's time and the record as it was, in the
+    /// verdict's own transaction.
     pub async fn resolve(
         &self,
         record: &UnresolvedRecord,
