@@ -210,11 +210,16 @@ impl<DB: Backend> Run<DB> {
     ) -> Response<IdempotencyBody<B>> {
         if DB::CLAIMS_RUN_WITHOUT_AUTOCOMMIT {
             let read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+            // A default-mode row (no lease) with this request's
+            // fingerprint, committed unsettled: this claim's row.
             let own_row_committed = match &read {
-                Ok(Some(record)) => matches!(
-                    record.status,
-                    RecordStatus::Processing | RecordStatus::NeedsReconciliation
-                ),
+                Ok(Some(record)) => {
+                    matches!(
+                        record.status,
+                        RecordStatus::Processing | RecordStatus::NeedsReconciliation
+                    ) && record.lease.is_none()
+                        && record.fingerprint == id.fingerprint.as_bytes()
+                }
                 Ok(None) => false,
                 // Whether the handler committed is unknown: hold the key.
                 Err(_) => true,

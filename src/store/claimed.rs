@@ -1,11 +1,12 @@
 //! The claimed transaction's connection, as a backend hands it over.
 //!
-//! A backend either hands over a sqlx [`Transaction`] (SQLite,
-//! MySQL/MariaDB, lease-mode phases), or, where the claim itself opened the
-//! transaction in a statement whose rows it had to read (PostgreSQL: the
-//! claim's one round trip both begins the transaction and says whether the
-//! claim was won), the pooled connection with the server inside that
-//! transaction. sqlx does not count the second kind as a transaction, so
+//! A backend either hands over a sqlx [`Transaction`] (SQLite, lease-mode
+//! phases), or the pooled connection with the server inside the claimed
+//! transaction: where the claim itself opened the transaction in a
+//! statement whose rows it had to read (PostgreSQL: the claim's one round
+//! trip both begins the transaction and says whether the claim was won),
+//! or changed a session setting for it that every end must put back
+//! (MySQL/MariaDB: autocommit off). sqlx does not count the second kind as a transaction, so
 //! the backend that made it is the one that ends it: its `finish` commits
 //! in the same batch as the recording, with nothing queued after.
 //!

@@ -859,7 +859,7 @@ pub(crate) fn release_savepoint(status: RecordStatus) -> &'static str {
 }
 
 /// The sqlx transaction of a backend that hands its claims over as one.
-#[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 fn claimed_transaction<DB: Database>(
     tx: Claimed<DB>,
 ) -> Result<Transaction<'static, DB>, sqlx::Error> {

@@ -82,8 +82,12 @@ impl Backend for MySql {
         conn: PoolConnection<Self>,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        // One round trip: autocommit off for the claim's session, begin,
-        // insert, savepoint. `SET TRANSACTION` (without SESSION) applies to
+        // One round trip: on a Galera node, wait until the node has applied
+        // every transaction the cluster committed before this one
+        // (`wsrep_sync_wait`, for one table-less read; MariaDB waits only
+        // outside a transaction, so it comes first), so a retry sent to
+        // another node right after the answer finds the recorded row; then
+        // autocommit off for the claim's session, begin, insert, savepoint. `SET TRANSACTION` (without SESSION) applies to
         // the next transaction only. With autocommit off, a statement the
         // handler sends after the server rolled the transaction back
         // itself (a deadlock, a lock wait timeout with
@@ -96,11 +100,7 @@ impl Backend for MySql {
         //
         // The insert: InnoDB counts lock waits in whole seconds, bounded
         // for the insert alone (MariaDB's `SET STATEMENT … FOR`, MySQL 8's
-        // `SET_VAR` hint; each server ignores the other's form). On a
-        // Galera node it first waits until the node has applied every
-        // transaction the cluster committed before it (`wsrep_sync_wait`,
-        // for this statement only), so a retry sent to another node
-        // right after the answer finds the recorded row. A plain insert: a
+        // `SET_VAR` hint; each server ignores the other's form). A plain insert: a
         // duplicate key is the driver's unique-violation error, which ends
         // the statement and the rest of the batch, not the transaction. Not
         // `ON DUPLICATE KEY UPDATE`, whose affected-row count is 1 for a
@@ -112,8 +112,9 @@ impl Backend for MySql {
         let secs = claim.lock_wait.as_secs_f64().round().clamp(0.0, 3600.0) as u64;
         let mysql_secs = secs.max(1);
         let sql = format!(
-            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION; \
-             /*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs}, {SYNC_WAIT} FOR */ \
+            "/*M!100301 SET STATEMENT {SYNC_WAIT} FOR */ SELECT 1; \
+             SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION; \
+             /*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ \
              INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
              VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); \
