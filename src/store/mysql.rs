@@ -1,6 +1,8 @@
 //! MySQL and MariaDB (InnoDB).
 
 use sqlx::mysql::{MySql, MySqlDatabaseError};
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 
@@ -18,15 +20,19 @@ use super::{
 /// pool handed the connection out.
 const END_CLAIM: &str = "ROLLBACK; SET autocommit = 1";
 
-/// For one statement, on a Galera node: wait until the node has applied
-/// what the cluster committed before the statement began (reads, updates,
-/// deletes, inserts), so it sees other nodes' commits. Nothing elsewhere.
-macro_rules! sync_wait {
-    () => {
-        "wsrep_sync_wait = 15"
-    };
-}
-const SYNC_WAIT: &str = sync_wait!();
+/// On a Galera node: waits until the node has applied what the cluster
+/// committed before it (reads, updates, deletes, inserts), for one
+/// table-less read (MariaDB waits only outside a transaction). Nothing on
+/// other servers; MySQL reads the `/*M!…*/` form as a comment.
+const SYNC_READ: &str = "/*M!100301 SET STATEMENT wsrep_sync_wait = 15 FOR */ SELECT 1; ";
+
+/// Set once a server refused `wsrep_sync_wait` (`ER_UNKNOWN_SYSTEM_VARIABLE`:
+/// a MariaDB built without Galera support, such as the Windows builds);
+/// claims then leave the wait out. Process-wide: a process that meets such
+/// a server and also a Galera node loses the causal wait on the cluster
+/// (a retry that outruns the replication then runs and is rolled back by
+/// the cluster, answered from the ledger or with a retryable `503`).
+static NO_SYNC_WAIT: AtomicBool = AtomicBool::new(false);
 
 /// The database clock, epoch milliseconds, in UTC arithmetic only (no
 /// session time zone conversion).
@@ -84,10 +90,10 @@ impl Backend for MySql {
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
         // One round trip: on a Galera node, wait until the node has applied
         // every transaction the cluster committed before this one
-        // (`wsrep_sync_wait`, for one table-less read; MariaDB waits only
-        // outside a transaction, so it comes first), so a retry sent to
-        // another node right after the answer finds the recorded row; then
-        // autocommit off for the claim's session, begin, insert, savepoint. `SET TRANSACTION` (without SESSION) applies to
+        // (`SYNC_READ`, first: MariaDB waits only outside a transaction),
+        // so a retry sent to another node right after the answer finds the
+        // recorded row; then autocommit off for the claim's session, begin,
+        // insert, savepoint. `SET TRANSACTION` (without SESSION) applies to
         // the next transaction only. With autocommit off, a statement the
         // handler sends after the server rolled the transaction back
         // itself (a deadlock, a lock wait timeout with
@@ -100,8 +106,8 @@ impl Backend for MySql {
         //
         // The insert: InnoDB counts lock waits in whole seconds, bounded
         // for the insert alone (MariaDB's `SET STATEMENT … FOR`, MySQL 8's
-        // `SET_VAR` hint; each server ignores the other's form). A plain insert: a
-        // duplicate key is the driver's unique-violation error, which ends
+        // `SET_VAR` hint; each server ignores the other's form). A plain
+        // insert: a duplicate key is the driver's unique-violation error, which ends
         // the statement and the rest of the batch, not the transaction. Not
         // `ON DUPLICATE KEY UPDATE`, whose affected-row count is 1 for a
         // no-op update when the client asks for found rows, as sqlx does;
@@ -112,8 +118,7 @@ impl Backend for MySql {
         let secs = claim.lock_wait.as_secs_f64().round().clamp(0.0, 3600.0) as u64;
         let mysql_secs = secs.max(1);
         let sql = format!(
-            "/*M!100301 SET STATEMENT {SYNC_WAIT} FOR */ SELECT 1; \
-             SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION; \
+            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION; \
              /*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ \
              INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
@@ -128,10 +133,23 @@ impl Backend for MySql {
             now = now_ms!(),
         );
         let mut claimed = Claimed::raw_with(conn, |conn| Box::pin(rollback_raw(conn, END_CLAIM)));
-        match sqlx::raw_sql(AssertSqlSafe(sql))
+        let waits = !NO_SYNC_WAIT.load(Ordering::Relaxed);
+        let first = if waits {
+            format!("{SYNC_READ}{sql}")
+        } else {
+            sql.clone()
+        };
+        let mut done = sqlx::raw_sql(AssertSqlSafe(first))
             .execute(&mut *claimed)
-            .await
-        {
+            .await;
+        // The batch stopped at its first statement: nothing changed yet.
+        if waits && done.as_ref().is_err_and(|e| number(e) == Some(1193)) {
+            NO_SYNC_WAIT.store(true, Ordering::Relaxed);
+            done = sqlx::raw_sql(AssertSqlSafe(sql))
+                .execute(&mut *claimed)
+                .await;
+        }
+        match done {
             Ok(_) => Ok(ClaimOutcome::Won(claimed)),
             // The driver's own signal, never a parsed message.
             Err(e)
@@ -212,9 +230,7 @@ impl Backend for MySql {
     shared_statements!(
         MySql,
         fetch = concat!(
-            "/*M!100301 SET STATEMENT ",
-            sync_wait!(),
-            " FOR */ SELECT status, request_fingerprint, response_status, response_headers, \
+            "SELECT status, request_fingerprint, response_status, response_headers, \
              response_body, resource_id, expires_at, \
              CASE WHEN expires_at <= ",
             now_ms!(),
@@ -340,11 +356,7 @@ impl Backend for MySql {
         if let Some(kind) = generic_error_kind(err) {
             return kind;
         }
-        let number = err
-            .as_database_error()
-            .and_then(|e| e.try_downcast_ref::<MySqlDatabaseError>())
-            .map(MySqlDatabaseError::number);
-        match number {
+        match number(err) {
             // ER_LOCK_WAIT_TIMEOUT
             Some(1205) => StoreErrorKind::LockTimeout,
             // ER_LOCK_DEADLOCK
@@ -358,6 +370,13 @@ impl Backend for MySql {
             _ => StoreErrorKind::Other,
         }
     }
+}
+
+/// The server's error number, when the error is the server's.
+fn number(err: &sqlx::Error) -> Option<u16> {
+    err.as_database_error()
+        .and_then(|e| e.try_downcast_ref::<MySqlDatabaseError>())
+        .map(MySqlDatabaseError::number)
 }
 
 /// Character text from hex digits.
