@@ -13,6 +13,8 @@ mod common;
 mod galera;
 #[path = "common/http.rs"]
 mod http_call;
+#[path = "common/payments.rs"]
+mod payments;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -20,6 +22,7 @@ use std::time::{Duration, Instant};
 use galera::Cluster;
 use http::{Method, StatusCode};
 use http_call::{Answer, http_call};
+use payments::{Provider, pay, payment_service};
 use sqlx::MySqlPool;
 use tokio::process::Child;
 
@@ -359,57 +362,22 @@ async fn node_killed_mid_transaction(cluster: &mut Cluster) -> Vec<String> {
 /// instance on node 1, which takes the lapsed lease over, finds the charge
 /// under the same step key and answers: one charge, one captured payment.
 async fn lease_taken_over_on_another_node(cluster: &Cluster) -> Vec<String> {
-    const PAYMENT: &str =
-        r#"{"orderId":"o-1001","amount":12000,"currency":"KRW","source":"tok_visa"}"#;
     let db = "lease";
     cluster.create_database(db);
-    let (_provider, provider) =
-        common::start_example("fake_provider", &["--addr", "127.0.0.1:0"], &[]).await;
-    let url = format!("http://{provider}");
-    let service = |node: usize| {
-        let (url, db_url) = (url.clone(), cluster.url(node, db));
-        async move {
-            let args = [
-                "--addr",
-                "127.0.0.1:0",
-                "--provider",
-                &url,
-                "--lease-ms",
-                "1000",
-                "--provider-timeout-ms",
-                "5000",
-                "--completer-interval-ms",
-                "600000",
-            ];
-            common::start_example("payment_service", &args, &[("DATABASE_URL", &db_url)]).await
-        }
-    };
-    let (mut first, first_addr) = service(0).await;
-    let (_second, second_addr) = service(1).await;
-    let fault = r#"{"mode":"charge_then_hang","delay_ms":10000}"#;
-    let hang = http_call(&provider, Method::POST, "/faults", None, None, fault).await;
-    assert_eq!(hang.status, StatusCode::OK, "{hang:?}");
-    let pay = |addr: String| async move {
-        http_call::try_http_call(
-            &addr,
-            Method::POST,
-            "/payments",
-            Some("user-42"),
-            Some("pay-1"),
-            PAYMENT,
-        )
-        .await
-    };
-    let pending = tokio::spawn(pay(first_addr));
-    let charges = || async {
-        let a = http_call(&provider, Method::GET, "/charges", None, None, "").await;
-        a.json().as_array().map_or(0, Vec::len)
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while charges().await == 0 {
-        assert!(Instant::now() < deadline, "no charge within 20 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let provider = Provider::start().await;
+    let args = [
+        "--lease-ms",
+        "1000",
+        "--provider-timeout-ms",
+        "5000",
+        "--completer-interval-ms",
+        "600000",
+    ];
+    let (mut first, first_addr) = payment_service(&cluster.url(0, db), &provider, &args).await;
+    let (_second, second_addr) = payment_service(&cluster.url(1, db), &provider, &args).await;
+    provider.charge_then_hang(10_000).await;
+    let pending = tokio::spawn(async move { pay(&first_addr, "pay-1").await });
+    provider.wait_for_a_charge().await;
     first.start_kill().unwrap();
     first.wait().await.unwrap();
     let mut faults = Vec::new();
@@ -418,7 +386,7 @@ async fn lease_taken_over_on_another_node(cluster: &Cluster) -> Vec<String> {
     }
     let deadline = Instant::now() + Duration::from_secs(20);
     let answer = loop {
-        match pay(second_addr.clone()).await {
+        match pay(&second_addr, "pay-1").await {
             Ok(a) if a.status == StatusCode::CREATED => break Some(a),
             Ok(a) if acceptable(&a) => {}
             Ok(a) => faults.push(format!(
@@ -434,7 +402,7 @@ async fn lease_taken_over_on_another_node(cluster: &Cluster) -> Vec<String> {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    let charged = charges().await;
+    let charged = provider.charges().await;
     if charged != 1 {
         faults.push(format!("{charged} charges for one payment key"));
     }

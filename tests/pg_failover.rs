@@ -11,6 +11,8 @@
 mod common;
 #[path = "common/http.rs"]
 mod http_call;
+#[path = "common/payments.rs"]
+mod payments;
 #[path = "common/pg_pair.rs"]
 mod pg_pair;
 
@@ -21,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use http::{Method, StatusCode};
 use http_call::{Answer, try_http_call};
+use payments::{Provider, pay, payment_service};
 use pg_pair::{Pair, Relay, Replication};
 use sqlx::PgPool;
 
@@ -250,49 +253,18 @@ async fn asynchronous_replication_keeps_orders_and_ledger_together() {
 /// charge. One charge.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_payment_claim_lost_in_a_failover_is_charged_once() {
-    const PAYMENT: &str =
-        r#"{"orderId":"o-1001","amount":12000,"currency":"KRW","source":"tok_visa"}"#;
     let mut pair = tokio::task::block_in_place(|| Pair::start(Replication::Asynchronous));
     let relay = Relay::start(pair.addr(0)).await;
-    let (_provider, provider) =
-        common::start_example("fake_provider", &["--addr", "127.0.0.1:0"], &[]).await;
-    let provider_url = format!("http://{provider}");
-    let args = [
-        "--addr",
-        "127.0.0.1:0",
-        "--provider",
-        &provider_url,
-        "--provider-timeout-ms",
-        "5000",
-    ];
-    let db = relay.url();
-    let (_service, addr) =
-        common::start_example("payment_service", &args, &[("DATABASE_URL", &db)]).await;
-    let fault = r#"{"mode":"charge_then_hang","delay_ms":3000}"#;
-    let hang = http_call::http_call(&provider, Method::POST, "/faults", None, None, fault).await;
-    assert_eq!(hang.status, StatusCode::OK, "{hang:?}");
-    let charges = || async {
-        let a = http_call::http_call(&provider, Method::GET, "/charges", None, None, "").await;
-        a.json().as_array().map_or(0, Vec::len)
-    };
-    let pay = |addr: String| async move {
-        try_http_call(
-            &addr,
-            Method::POST,
-            "/payments",
-            Some("user-42"),
-            Some("pay-1"),
-            PAYMENT,
-        )
-        .await
-    };
+    let provider = Provider::start().await;
+    let args = ["--provider-timeout-ms", "5000"];
+    let (_service, addr) = payment_service(&relay.url(), &provider, &args).await;
+    provider.charge_then_hang(3000).await;
     pair.partition();
-    let first = tokio::spawn(pay(addr.clone()));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while charges().await == 0 {
-        assert!(Instant::now() < deadline, "no charge within 20 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let first = {
+        let addr = addr.clone();
+        tokio::spawn(async move { pay(&addr, "pay-1").await })
+    };
+    provider.wait_for_a_charge().await;
     tokio::task::block_in_place(|| {
         pair.kill_primary();
         pair.promote_standby();
@@ -313,7 +285,7 @@ async fn a_payment_claim_lost_in_a_failover_is_charged_once() {
     assert_eq!(lost, 0, "the promoted standby never saw the claim");
     let deadline = Instant::now() + Duration::from_secs(30);
     let answer = loop {
-        match pay(addr.clone()).await {
+        match pay(&addr, "pay-1").await {
             Ok(a) if a.status == StatusCode::CREATED => break a,
             Ok(a) => assert!(
                 matches!(
@@ -327,7 +299,11 @@ async fn a_payment_claim_lost_in_a_failover_is_charged_once() {
         assert!(Instant::now() < deadline, "the retry never answered 201");
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    assert_eq!(charges().await, 1, "one charge for one payment key");
+    assert_eq!(
+        provider.charges().await,
+        1,
+        "one charge for one payment key"
+    );
     let captured: i64 =
         sqlx::query_scalar("SELECT COUNT(*) FROM payments WHERE status = 'captured'")
             .fetch_one(&pool)
@@ -336,7 +312,7 @@ async fn a_payment_claim_lost_in_a_failover_is_charged_once() {
     assert_eq!(captured, 1);
     eprintln!(
         "failover, lease mode, asynchronous replication: claim lost, {} charge, answer {}",
-        charges().await,
+        provider.charges().await,
         answer.status
     );
     pool.close().await;
