@@ -6,15 +6,17 @@
 //! statement whose rows it had to read (PostgreSQL: the claim's one round
 //! trip both begins the transaction and says whether the claim was won),
 //! or changed a session setting for it that every end must put back
-//! (MySQL/MariaDB: autocommit off). sqlx does not count the second kind as a transaction, so
-//! the backend that made it is the one that ends it: its `finish` commits
-//! in the same batch as the recording, with nothing queued after.
+//! (MySQL/MariaDB: autocommit off). sqlx does not count the second kind
+//! as a transaction, so the backend that made it is the one that ends it:
+//! its `finish` commits in the same batch as the recording, with nothing
+//! queued after, and its rollback puts back what the claim changed.
 //!
 //! Whatever becomes of a `Claimed` that is never finished (a panicking
 //! handler, a dropped future), its connection never returns to the pool
 //! inside the transaction: a `Transaction` queues its rollback as sqlx
-//! does, and a raw connection is rolled back by a task of its own, or
-//! closed (the server then rolls back) when the rollback fails. (Like any
+//! does, and a raw connection is rolled back (and its session setting put
+//! back) by a task of its own, or closed (the server then rolls back) when
+//! that fails. (Like any
 //! pooled connection, it needs the tokio runtime it came from to go back.)
 
 use std::ops::{Deref, DerefMut};

@@ -1,8 +1,8 @@
 //! MySQL and MariaDB (InnoDB).
 
-use sqlx::mysql::{MySql, MySqlDatabaseError};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use sqlx::mysql::{MySql, MySqlDatabaseError};
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
 
@@ -107,8 +107,9 @@ impl Backend for MySql {
         // The insert: InnoDB counts lock waits in whole seconds, bounded
         // for the insert alone (MariaDB's `SET STATEMENT … FOR`, MySQL 8's
         // `SET_VAR` hint; each server ignores the other's form). A plain
-        // insert: a duplicate key is the driver's unique-violation error, which ends
-        // the statement and the rest of the batch, not the transaction. Not
+        // insert: a duplicate key is the driver's unique-violation error,
+        // which ends the statement and the rest of the batch, not the
+        // transaction. Not
         // `ON DUPLICATE KEY UPDATE`, whose affected-row count is 1 for a
         // no-op update when the client asks for found rows, as sqlx does;
         // not `INSERT IGNORE`, which also swallows unrelated errors. Values
