@@ -7,10 +7,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
-use sqlx::{Pool, Transaction};
+use sqlx::Pool;
 
 use super::{LeaseError, LeaseMode};
-use crate::store::{Backend, CLAIM_ID, Fence, IsolationLevel, LeaseState, LeaseWrite, Scope};
+use crate::store::{
+    Backend, CLAIM_ID, Claimed, Fence, IsolationLevel, LeaseState, LeaseWrite, Scope,
+};
 use crate::tx::Tx;
 
 /// The lease an attempt holds on its key: the handler's context in lease
@@ -210,18 +212,17 @@ impl<DB: Backend> Leased<DB> {
             state.phases += 1;
         }
         let phase = DB::begin_phase(&self.inner.pool, self.inner.isolation).await?;
-        let tx = Tx::new(phase.into());
+        let tx = Tx::new(phase);
         *lock(&self.inner.final_tx) = Some(tx.clone());
         Ok(tx)
     }
 
     /// The final phase's transaction, taken back by the layer (`None` when
     /// there is none, or the handler still holds its guard).
-    pub(crate) fn take_final(&self) -> Option<Option<Transaction<'static, DB>>> {
+    pub(crate) fn take_final(&self) -> Option<Option<Claimed<DB>>> {
         match lock(&self.inner.final_tx).take() {
             None => Some(None),
-            // A phase is always a sqlx transaction (`begin_phase`).
-            Some(handle) => handle.take().map(|tx| tx.into_transaction().ok()),
+            Some(handle) => handle.take().map(Some),
         }
     }
 
@@ -298,7 +299,7 @@ impl<DB: Backend> Leased<DB> {
     /// it), fenced.
     pub(crate) async fn commit_point(
         &self,
-        tx: Transaction<'static, DB>,
+        tx: Claimed<DB>,
         point: &str,
         value: Option<Value>,
     ) -> Result<(), LeaseError> {
@@ -351,7 +352,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// writes. Dereferences to the connection (`sqlx::query(…).execute(&mut
 /// *phase)`). Dropping it without [`commit`](Self::commit) rolls it back.
 pub struct Phase<DB: Backend> {
-    tx: Transaction<'static, DB>,
+    tx: Claimed<DB>,
     leased: Leased<DB>,
     _open: PhaseOpen<DB>,
 }

@@ -448,6 +448,7 @@ impl Dialect {
 
 /// Ends a phase's transaction by the fenced write's outcome: commits when
 /// it matched (`Some(expires_at)`), rolls back when it did not or failed.
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub(crate) async fn commit_if_written<DB: sqlx::Database>(
     tx: sqlx::Transaction<'static, DB>,
     written: Result<Option<i64>, sqlx::Error>,

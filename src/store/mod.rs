@@ -778,11 +778,15 @@ pub trait Backend: Database {
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Begins the transaction of one lease-mode phase, at `isolation`
-    /// (for that transaction only).
+    /// (for that transaction only), as the claim's does where
+    /// [`CLAIMS_RUN_WITHOUT_AUTOCOMMIT`](Backend::CLAIMS_RUN_WITHOUT_AUTOCOMMIT)
+    /// (autocommit off, a savepoint that `commit_fenced` checks first, so a
+    /// phase the server rolled back on its own commits nothing, its point
+    /// included).
     fn begin_phase(
         pool: &Pool<Self>,
         isolation: IsolationLevel,
-    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<Claimed<Self>, sqlx::Error>> + Send;
 
     /// Ends a phase: the fenced write and the phase's own writes commit
     /// together, or (when the fence does not match) nothing commits and
@@ -791,7 +795,7 @@ pub trait Backend: Database {
     /// [`finish`](Backend::finish).
     fn commit_fenced(
         pool: &Pool<Self>,
-        tx: Transaction<'static, Self>,
+        tx: Claimed<Self>,
         scope: &Scope<'_>,
         fence: Fence<'_>,
         write: &LeaseWrite<'_>,

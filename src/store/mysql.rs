@@ -4,10 +4,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use sqlx::mysql::{MySql, MySqlDatabaseError};
 use sqlx::pool::PoolConnection;
-use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr, Transaction};
+use sqlx::{AssertSqlSafe, Pool, Row};
 
 use super::claimed::rollback_raw;
-use super::lease::{Dialect, commit_if_written, x_literal};
+use super::lease::{Dialect, x_literal};
 use super::literal::hex;
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
@@ -316,37 +316,72 @@ impl Backend for MySql {
     async fn begin_phase(
         pool: &Pool<Self>,
         isolation: IsolationLevel,
-    ) -> Result<Transaction<'static, Self>, sqlx::Error> {
+    ) -> Result<Claimed<Self>, sqlx::Error> {
+        // As a claim: autocommit off (a statement sent after the server
+        // rolled the phase back opens a transaction nothing commits), and
+        // a savepoint `commit_fenced` releases first, so a phase that
+        // ended commits nothing, its recovery point included.
         let begin = format!(
-            "SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION",
+            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION; \
+             {TAKE_SAVEPOINT}",
             isolation.as_sql()
         );
-        pool.begin_with(AssertSqlSafe(begin).into_sql_str()).await
+        let conn = pool.acquire().await?;
+        let mut phase = Claimed::raw_with(conn, |conn| Box::pin(rollback_raw(conn, END_CLAIM)));
+        match sqlx::raw_sql(AssertSqlSafe(begin))
+            .execute(&mut *phase)
+            .await
+        {
+            Ok(_) => Ok(phase),
+            Err(e) => {
+                phase.rollback().await;
+                Err(e)
+            }
+        }
     }
 
     async fn commit_fenced(
         _pool: &Pool<Self>,
-        mut tx: Transaction<'static, Self>,
+        mut tx: Claimed<Self>,
         scope: &Scope<'_>,
         fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<Option<i64>, FinishError> {
-        // The affected-row count is the count of rows found (sqlx asks for
-        // found rows), so it says whether the fence matched.
+        // The phase is still the one begun (its savepoint is there: an
+        // error of kind `TransactionEnded` otherwise), then the fenced
+        // write. The affected-row count is the count of rows found (sqlx
+        // asks for found rows), so it says whether the fence matched.
         let written = async {
-            let sql = with_lock_wait(LEASE_LOCK_WAIT_SECS, &DIALECT.write(scope, fence, write));
+            let sql = format!(
+                "RELEASE SAVEPOINT tower_idempotency_claimed; {}",
+                with_lock_wait(LEASE_LOCK_WAIT_SECS, &DIALECT.write(scope, fence, write))
+            );
             let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
             if done.rows_affected() != 1 {
                 return Ok(None);
             }
-            let expires_at: Option<i64> =
-                sqlx::query_scalar(AssertSqlSafe(DIALECT.expires_at(scope)))
-                    .fetch_optional(&mut *tx)
-                    .await?;
+            let sql = format!("{}; COMMIT; SET autocommit = 1", DIALECT.expires_at(scope));
+            let rows = sqlx::raw_sql(AssertSqlSafe(sql))
+                .fetch_all(&mut *tx)
+                .await?;
+            let expires_at: Option<i64> = rows.first().map(|row| row.try_get(0)).transpose()?;
             Ok::<_, sqlx::Error>(Some(expires_at.unwrap_or_default()))
         }
         .await;
-        commit_if_written(tx, written).await
+        match written {
+            Ok(Some(expires_at)) => {
+                tx.ended();
+                Ok(Some(expires_at))
+            }
+            Ok(None) => {
+                tx.rollback().await;
+                Ok(None)
+            }
+            Err(e) => {
+                tx.rollback().await;
+                Err(e.into())
+            }
+        }
     }
 
     super::lease::list_leases!();

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgRow, Postgres};
-use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr, Transaction};
+use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr};
 
 use super::lease::Dialect;
 use super::literal::hex;
@@ -269,14 +269,15 @@ impl Backend for Postgres {
     async fn begin_phase(
         pool: &Pool<Self>,
         isolation: IsolationLevel,
-    ) -> Result<Transaction<'static, Self>, sqlx::Error> {
+    ) -> Result<Claimed<Self>, sqlx::Error> {
         let begin = format!("BEGIN ISOLATION LEVEL {}", isolation.as_sql());
-        pool.begin_with(AssertSqlSafe(begin).into_sql_str()).await
+        let tx = pool.begin_with(AssertSqlSafe(begin).into_sql_str()).await?;
+        Ok(tx.into())
     }
 
     async fn commit_fenced(
         pool: &Pool<Self>,
-        tx: Transaction<'static, Self>,
+        tx: Claimed<Self>,
         scope: &Scope<'_>,
         fence: Fence<'_>,
         write: &LeaseWrite<'_>,
@@ -289,7 +290,7 @@ impl Backend for Postgres {
              COMMIT; BEGIN",
             DIALECT.write(scope, fence, write)
         );
-        match run_commit(pool, tx.into(), sql).await {
+        match run_commit(pool, tx, sql).await {
             Ok(expires_at) => Ok(Some(expires_at)),
             Err(FinishError::Store(e))
                 if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("22012") =>

@@ -219,18 +219,19 @@ impl Backend for Sqlite {
     async fn begin_phase(
         pool: &Pool<Self>,
         _isolation: IsolationLevel,
-    ) -> Result<Transaction<'static, Self>, sqlx::Error> {
+    ) -> Result<Claimed<Self>, sqlx::Error> {
         // The write lock up front, as for a claim.
-        pool.begin_with("BEGIN IMMEDIATE").await
+        Ok(pool.begin_with("BEGIN IMMEDIATE").await?.into())
     }
 
     async fn commit_fenced(
         _pool: &Pool<Self>,
-        mut tx: Transaction<'static, Self>,
+        tx: Claimed<Self>,
         scope: &Scope<'_>,
         fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<Option<i64>, FinishError> {
+        let mut tx = super::claimed_transaction(tx)?;
         let sql = format!(
             "{} RETURNING expires_at",
             DIALECT.write(scope, fence, write)

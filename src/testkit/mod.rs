@@ -535,6 +535,7 @@ macro_rules! conformance_suite {
             lease_concurrent_steps_keep_each_pending_mark,
             lease_step_key_differs_for_a_reused_key,
             lease_phase_commit_renews_the_lease_from_commit_time,
+            lease_phase_rolled_back_by_the_server_commits_nothing,
             lease_stale_owner_of_a_deleted_claim_charges_nothing,
             lease_final_answer_over_an_unrecovered_pending_step_parks,
             lease_stranded_records_are_listed_for_operators,

@@ -319,3 +319,61 @@ pub async fn lease_phase_commit_renews_the_lease_from_commit_time<DB: Conformanc
         "duplicate 50 ms after the phase commit took the lease over: {dup:?}; first: {first:?}"
     );
 }
+
+/// Phase "created" whose transaction the server rolls back on its own
+/// (simulated: a `ROLLBACK` on the phase's connection, as a deadlock or a
+/// Galera abort does), after which the handler "retries" its insert and
+/// commits the phase; on later generations, a plain phase.
+async fn phase_rolled_back<DB: ConformanceDb>(leased: Leased<DB>) -> Response {
+    let mut phase = match leased.phase().await {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    if leased.generation() == 1 {
+        if let Err(e) = DB::exec_on(&mut phase, "ROLLBACK").await {
+            return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response();
+        }
+    }
+    if let Err(e) = DB::insert_order(&mut phase, "Bearer payer-1", 1).await {
+        return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response();
+    }
+    match phase.commit("created").await {
+        Ok(()) => (StatusCode::CREATED, "created").into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    }
+}
+
+/// Case (MySQL/MariaDB, where claims and phases run with autocommit off):
+/// a phase the server rolled back on its own commits nothing, neither the
+/// writes sent after the rollback nor its recovery point; the phase's
+/// commit is refused, and the retry runs the phase once.
+pub async fn lease_phase_rolled_back_by_the_server_commits_nothing<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    if !DB::CLAIMS_RUN_WITHOUT_AUTOCOMMIT {
+        // Elsewhere a statement after a server's rollback is refused until
+        // the transaction ends (PostgreSQL) or the write lock is held
+        // throughout (SQLite): nothing to hold here.
+        return;
+    }
+    let mode = LeaseMode::new(Duration::from_secs(5)).expect("a usable lease");
+    let app = Router::new()
+        .route("/payments", post(phase_rolled_back::<DB>))
+        .layer(layer(&h, mode));
+    let first = send(&app, payment("rolled-back-1", PAY)).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
+    assert_eq!(
+        h.orders().await,
+        0,
+        "nothing of the rolled-back phase commits"
+    );
+    let points = DB::count(
+        &h.pool,
+        "SELECT COUNT(*) FROM idempotency_records WHERE recovery_point IS NOT NULL",
+    )
+    .await;
+    assert_eq!(points, 0, "its recovery point is not recorded");
+    let retry = send(&app, payment("rolled-back-1", PAY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert_eq!(h.orders().await, 1);
+}
