@@ -329,10 +329,10 @@ async fn phase_rolled_back<DB: ConformanceDb>(leased: Leased<DB>) -> Response {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    if leased.generation() == 1 {
-        if let Err(e) = DB::exec_on(&mut phase, "ROLLBACK").await {
-            return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response();
-        }
+    if leased.generation() == 1
+        && let Err(e) = DB::exec_on(&mut phase, "ROLLBACK").await
+    {
+        return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response();
     }
     if let Err(e) = DB::insert_order(&mut phase, "Bearer payer-1", 1).await {
         return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response();
