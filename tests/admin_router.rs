@@ -35,6 +35,7 @@ on_every_store!(
     json_routes_list_show_resolve_and_refuse_when_settled,
     html_pages_escape_and_the_form_settles_a_record,
     cross_site_posts_are_refused,
+    a_json_verdict_names_the_record_as_seen,
 );
 
 /// The key the client sent (an SF string), and as stored (unquoted):
@@ -142,12 +143,14 @@ async fn json_routes_list_show_resolve_and_refuse_when_settled<DB: Store>() {
     let missing = send(&c, get(&format!("/api/record?{}", record_query("nope")))).await;
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
 
+    let seen = shown.json();
     let verdict = json!({
         "principal": PAYER, "operation": OPERATION, "key": "pay-1",
         "verdict": "succeeded", "status": 201,
         "headers": [["content-type", "application/json"]],
         "body": "{\"chargeId\":\"ch_console\"}",
         "reason": "provider shows ch_console",
+        "generation": seen["generation"], "parks": seen["parks"], "claim_id": seen["claim_id"],
     });
     // No reason: 400, nothing written.
     let mut no_reason = verdict.clone();
@@ -187,8 +190,14 @@ async fn json_routes_list_show_resolve_and_refuse_when_settled<DB: Store>() {
     let anonymous = console(h.pool.clone(), None);
     let park2 = park(&app, "pay-2");
     park2.await;
+    let seen2 = send(&c, get(&format!("/api/record?{}", record_query("pay-2"))))
+        .await
+        .json();
     let mut v2 = verdict.clone();
     v2["key"] = json!("pay-2");
+    v2["generation"] = seen2["generation"].clone();
+    v2["parks"] = seen2["parks"].clone();
+    v2["claim_id"] = seen2["claim_id"].clone();
     let refused = send(&anonymous, post_json("/api/resolve", v2.clone(), None)).await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{refused:?}");
     v2["actor"] = json!("carol");
@@ -344,4 +353,56 @@ async fn cross_site_posts_are_refused<DB: Store>() {
     let shown = send(&c, get(&format!("/api/record?{}", record_query("pay-1")))).await;
     assert_eq!(shown.json()["status"], "NEEDS_RECONCILIATION");
     assert_eq!(shown.json()["audit"], json!([]));
+}
+
+/// Two operators look at one parked record through the JSON API. Alice
+/// reruns it as she saw it; Bob, from the same earlier look, records it
+/// succeeded: `409`, nothing written. A lease-mode record cannot be
+/// resolved without naming it as seen (`400`).
+async fn a_json_verdict_names_the_record_as_seen<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let alice = console(h.pool.clone(), Some("alice"));
+    let bob = console(h.pool.clone(), Some("bob"));
+    let seen = send(&bob, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    let rerun = json!({
+        "principal": PAYER, "operation": OPERATION, "key": "pay-1",
+        "verdict": "rerun", "reason": "provider shows no charge",
+        "generation": seen["generation"], "parks": seen["parks"], "claim_id": seen["claim_id"],
+    });
+    let done = send(&alice, post_json("/api/resolve", rerun, None)).await;
+    assert_eq!(done.status, StatusCode::OK, "{done:?}");
+    assert_eq!(done.json()["after"]["status"], "PROCESSING");
+
+    let succeeded = json!({
+        "principal": PAYER, "operation": OPERATION, "key": "pay-1",
+        "verdict": "succeeded", "status": 201, "body": "{}",
+        "reason": "provider shows a charge",
+    });
+    let mut stale = succeeded.clone();
+    stale["generation"] = seen["generation"].clone();
+    stale["parks"] = seen["parks"].clone();
+    stale["claim_id"] = seen["claim_id"].clone();
+    let refused = send(&bob, post_json("/api/resolve", stale, None)).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{refused:?}");
+    assert_eq!(refused.json()["error"], "changed");
+    assert_eq!(refused.json()["record"]["status"], "PROCESSING");
+    let blind = send(&bob, post_json("/api/resolve", succeeded, None)).await;
+    assert_eq!(blind.status, StatusCode::BAD_REQUEST, "{blind:?}");
+    assert!(
+        blind.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("generation"),
+        "{blind:?}"
+    );
+
+    let now = send(&bob, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    assert_eq!(now["status"], "PROCESSING", "{now}");
+    assert_eq!(now["audit"].as_array().unwrap().len(), 1, "{now}");
+    assert_eq!(now["audit"][0]["actor"], "alice");
 }

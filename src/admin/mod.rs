@@ -68,7 +68,7 @@ use std::time::Duration;
 use sqlx::Pool;
 
 pub use audit::{Attribution, AttributionError, AuditEntry, MAX_ACTOR_LEN, MAX_REASON_LEN};
-pub use record::{LedgerRow, Lookup};
+pub use record::{LedgerRow, Lookup, Seen};
 #[cfg(feature = "admin")]
 pub use router::{Actor, MAX_FORM_BYTES, router};
 pub use status::{DiskSize, LedgerStatus, StatusCount, SweepPreview};
@@ -229,6 +229,12 @@ impl<DB: AdminBackend> Ledger<DB> {
     /// ([`ResolveError::Gone`]), else [`resolve`](Self::resolve)s it as read
     /// (so a completer pass or an attempt between the read and the verdict
     /// makes the verdict refused, never lost).
+    ///
+    /// "As it is now" is not as the operator saw it: a verdict decided on
+    /// an earlier look lands on whatever the record became meanwhile
+    /// (another operator's rerun, say). The CLI and the console settle
+    /// lease-mode records through [`resolve_seen`](Self::resolve_seen)
+    /// only.
     pub async fn resolve_lookup(
         &self,
         lookup: &Lookup,
@@ -238,11 +244,49 @@ impl<DB: AdminBackend> Ledger<DB> {
         let Some(before) = self.show(lookup).await? else {
             return Err(ResolveError::Gone);
         };
-        let Some(record) = before.as_unresolved() else {
+        let seen = Seen::of(&before);
+        self.resolve_read(before, &seen, resolution, by).await
+    }
+
+    /// Settles the record `lookup` names, as the operator saw it (`seen`:
+    /// its generation, parks and claim id as [`show`](Self::show) read
+    /// them): the verdict is fenced on those, as on a listed record
+    /// ([`resolve`](Self::resolve)), so it is refused
+    /// ([`ResolveError::Changed`], [`Held`](ResolveError::Held),
+    /// [`Settled`](ResolveError::Settled) or [`Gone`](ResolveError::Gone))
+    /// when the record moved on since: rerun by another operator, taken
+    /// over, parked again. (A completer pass that took a parked record and
+    /// gave it back unchanged moves its generation but not its parks; a
+    /// verdict on it still lands, as on a listed record.)
+    pub async fn resolve_seen(
+        &self,
+        lookup: &Lookup,
+        seen: &Seen,
+        resolution: Resolution,
+        by: &Attribution,
+    ) -> Result<Resolved, ResolveError> {
+        let Some(before) = self.show(lookup).await? else {
+            return Err(ResolveError::Gone);
+        };
+        self.resolve_read(before, seen, resolution, by).await
+    }
+
+    async fn resolve_read(
+        &self,
+        before: LedgerRow,
+        seen: &Seen,
+        resolution: Resolution,
+        by: &Attribution,
+    ) -> Result<Resolved, ResolveError> {
+        let Some(mut record) = before.as_unresolved() else {
             return Err(ResolveError::Settled {
                 status: before.status,
             });
         };
+        // The stored scope found, fenced as the operator saw it.
+        record.generation = seen.generation;
+        record.parks = seen.parks;
+        record.claim_id.clone_from(&seen.claim_id);
         self.resolve(&record, resolution, by).await?;
         let after = DB::row(&self.pool, &record.scope()).await?;
         Ok(Resolved { before, after })

@@ -12,8 +12,9 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::html;
-use super::{AdminBackend, Attribution, Ledger, LedgerRow, Lookup, Resolved, unresolved_json};
-use crate::store::UnresolvedRecord;
+use super::{
+    AdminBackend, Attribution, Ledger, LedgerRow, Lookup, Resolved, Seen, unresolved_json,
+};
 use crate::{Resolution, ResolveError};
 
 /// The largest request body the console reads (a resolution with its
@@ -40,7 +41,7 @@ pub struct Actor(pub String);
 /// | `POST /resolve` | HTML form post: settles it, answers a confirmation page (`409` when refused) |
 /// | `GET /api/unresolved?limit=N` | JSON: `{"records": […]}` (at most [`MAX_LIST`](super::MAX_LIST)) |
 /// | `GET /api/record?principal=…&operation=…&key=…` | JSON: the record and its audit trail (`404` when none) |
-/// | `POST /api/resolve` | JSON: settles a record (`409` with the reason when refused) |
+/// | `POST /api/resolve` | JSON: settles a record as seen (`generation`, `parks`, `claim_id` as `/api/record` showed them; required for a lease-mode record, `400` without); `409` with the reason when refused |
 /// | `GET /api/status` | JSON: [`LedgerStatus`](super::LedgerStatus) |
 ///
 /// # Authentication
@@ -166,7 +167,9 @@ struct ResolveJson {
     #[serde(default)]
     reason: String,
     actor: Option<String>,
-    /// The record as seen (all three, or none: then as it is now).
+    /// The record as seen (generation and parks, with claim_id when it
+    /// has one). Required for a lease-mode record (generation > 0); a
+    /// default-mode one without them is taken as it is now.
     generation: Option<i64>,
     claim_id: Option<String>,
     parks: Option<i64>,
@@ -396,40 +399,30 @@ async fn carry_out<DB: AdminBackend>(
         seen,
     } = req;
     let outcome = match seen {
-        None => ledger.resolve_lookup(&lookup, resolution, &by).await,
         Some((generation, claim_id, parks)) => {
-            match ledger.show(&lookup).await {
-                Err(e) => Err(ResolveError::Store(e)),
-                Ok(None) => Err(ResolveError::Gone),
-                Ok(Some(before)) if before.is_settled() => Err(ResolveError::Settled {
-                    status: before.status,
-                }),
-                Ok(Some(before)) => {
-                    // The stored scope found, fenced as the operator saw it.
-                    let record = UnresolvedRecord {
-                        principal: before.principal.clone(),
-                        operation: before.operation.clone(),
-                        key: before.key.clone(),
-                        status: before.status,
-                        response_status: before.response_status,
-                        created_at: before.created_at,
-                        generation,
-                        pending_step: before.pending_step.clone(),
-                        recovery_point: before.recovery_point.clone(),
-                        claim_id,
-                        locked_until: before.locked_until,
-                        parks,
-                    };
-                    match ledger.resolve(&record, resolution, &by).await {
-                        Ok(()) => match ledger.show(&lookup).await {
-                            Ok(after) => Ok(Resolved { before, after }),
-                            Err(e) => Err(ResolveError::Store(e)),
-                        },
-                        Err(e) => Err(e),
-                    }
-                }
-            }
+            let seen = Seen::new(generation, parks, claim_id);
+            ledger.resolve_seen(&lookup, &seen, resolution, &by).await
         }
+        // Not named as seen: allowed for a default-mode record only (its
+        // fence is its status); a lease-mode one moves on (reruns, parks,
+        // takeovers) and a verdict must name the state it was decided on.
+        None => match ledger.show(&lookup).await {
+            Err(e) => Err(ResolveError::Store(e)),
+            Ok(None) => Err(ResolveError::Gone),
+            Ok(Some(row)) if row.is_settled() => Err(ResolveError::Settled { status: row.status }),
+            Ok(Some(row)) if row.generation > 0 => {
+                return Err(Refusal::bad(format!(
+                    "the record is in lease mode (it is {} now): name it as seen, with the \
+                     generation, parks and claim_id the record showed",
+                    row.describe()
+                )));
+            }
+            Ok(Some(row)) => {
+                ledger
+                    .resolve_seen(&lookup, &Seen::of(&row), resolution, &by)
+                    .await
+            }
+        },
     };
     match outcome {
         Ok(done) => Ok(done),
@@ -461,6 +454,10 @@ async fn carry_out<DB: AdminBackend>(
                         }
                     )
                 }
+                (ResolveError::Changed { .. } | ResolveError::Held { .. }, Some(now)) => format!(
+                    "{e}; the record moved since it was seen: it is {} now",
+                    now.describe()
+                ),
                 _ => e.to_string(),
             };
             Err(Refusal {
