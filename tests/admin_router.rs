@@ -405,4 +405,22 @@ async fn a_json_verdict_names_the_record_as_seen<DB: Store>() {
     assert_eq!(now["status"], "PROCESSING", "{now}");
     assert_eq!(now["audit"].as_array().unwrap().len(), 1, "{now}");
     assert_eq!(now["audit"][0]["actor"], "alice");
+
+    // The client's retry completes it after Alice's rerun: a late verdict
+    // is refused as settled by the service, not credited to Alice.
+    app.state.provider.lookup_down(false);
+    let retry = send(&app.router, payment("pay-1", PAY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    let mut late = json!({
+        "principal": PAYER, "operation": OPERATION, "key": "pay-1",
+        "verdict": "rerun", "reason": "late",
+    });
+    late["generation"] = seen["generation"].clone();
+    late["parks"] = seen["parks"].clone();
+    let late = send(&bob, post_json("/api/resolve", late, None)).await;
+    assert_eq!(late.status, StatusCode::CONFLICT, "{late:?}");
+    assert_eq!(late.json()["error"], "settled");
+    let message = late.json()["message"].as_str().unwrap().to_string();
+    assert!(message.contains("by the service"), "{message}");
+    assert!(!message.contains("alice"), "{message}");
 }

@@ -236,12 +236,15 @@ async fn refusals_exit_1_with_one_line<DB: Store>() {
     let refused = cli(&url, &late).await;
     refused.assert_failed(1, "settled first");
     assert!(refused.stderr.contains("SUCCEEDED 201"), "{refused:?}");
+    // Bob's verdict was a rerun: the retry settled it, not Bob.
     assert!(
-        refused.stderr.contains("bob"),
-        "the last verdict's actor: {refused:?}"
+        refused.stderr.contains("settled first by the service"),
+        "{refused:?}"
     );
+    assert!(!refused.stderr.contains("bob"), "{refused:?}");
     let detail = refused.one_json();
     assert_eq!(detail["refused"], "settled");
+    assert_eq!(detail["settled_by"], Value::Null, "{detail}");
     assert_eq!(detail["record"]["status"], "SUCCEEDED");
     let mut dry = rerun.clone();
     dry.push("--dry-run");

@@ -104,6 +104,22 @@ pub fn step_key(record: &UnresolvedRecord) -> Option<crate::lease::StepKey> {
     crate::lease::StepKey::of(record, record.pending_step.as_deref()?)
 }
 
+/// Who settled `row`, by its audit trail (oldest first, as
+/// [`Ledger::audit`] returns it): the operator whose latest verdict is the
+/// `succeeded` or `failed` answer the record now carries. `None` when the
+/// service settled it (a client's retry or the completer): no verdict, a
+/// rerun last, or a last verdict that does not match the record now.
+pub fn settled_by<'a>(row: &LedgerRow, trail: &'a [AuditEntry]) -> Option<&'a AuditEntry> {
+    use crate::store::RecordStatus;
+    let last = trail.last()?;
+    let matches = match row.status {
+        RecordStatus::Succeeded => last.verdict == "succeeded",
+        RecordStatus::FailedFinal => last.verdict == "failed",
+        _ => false,
+    };
+    (matches && last.response_status == row.response_status).then_some(last)
+}
+
 /// An age in milliseconds for people: `850ms`, `42s`, `17m 3s`, `5h 2m`,
 /// `3d 4h`.
 pub fn human_age(ms: i64) -> String {
@@ -192,10 +208,11 @@ impl<DB: AdminBackend> Ledger<DB> {
         Ok(None)
     }
 
-    /// The record's audit trail, oldest first (at most [`MAX_TRAIL`]):
-    /// committed verdicts only, each written with its verdict, so the last
-    /// entry is the verdict the record carries (unless the service settled
-    /// it since, or it was rerun and ran again).
+    /// The record's audit trail, oldest first: its newest [`MAX_TRAIL`]
+    /// entries (so the last entry is the newest verdict), committed
+    /// verdicts only, each written with its verdict. The last entry is not
+    /// always the verdict the record carries: after a rerun, the service
+    /// (a retry or the completer) settles it; see [`settled_by`].
     pub async fn audit(&self, scope: &Scope<'_>) -> Result<Vec<AuditEntry>, sqlx::Error> {
         DB::audit_trail(&self.pool, scope, i64::from(MAX_TRAIL)).await
     }

@@ -437,14 +437,10 @@ async fn carry_out<DB: AdminBackend>(
             let record = ledger.show(&lookup).await.ok().flatten();
             let message = match (&e, &record) {
                 (ResolveError::Settled { .. }, Some(now)) => {
-                    let who = match ledger
-                        .audit(&row_scope(now))
-                        .await
-                        .ok()
-                        .and_then(|t| t.into_iter().last())
-                    {
+                    let trail = ledger.audit(&row_scope(now)).await.unwrap_or_default();
+                    let who = match super::settled_by(now, &trail) {
                         Some(last) => format!("{} ({})", last.actor, last.reason),
-                        None => "the service (a client's retry or the completer)".to_string(),
+                        None => "the service (a retry or the completer)".to_string(),
                     };
                     format!(
                         "the record was settled first by {who}; it is {} now",

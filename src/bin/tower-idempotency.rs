@@ -16,7 +16,7 @@ use sqlx::mysql::MySqlPoolOptions;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use tower_idempotency::admin::{
-    AdminBackend, Attribution, Ledger, LedgerRow, Lookup, Seen, human_age, step_key,
+    AdminBackend, Attribution, Ledger, LedgerRow, Lookup, Seen, human_age, settled_by, step_key,
     unresolved_json,
 };
 use tower_idempotency::{Resolution, ResolveError, Sweeper};
@@ -673,13 +673,10 @@ fn refusal_kind(e: &ResolveError) -> &'static str {
 }
 
 /// The refusal of a verdict on a settled record: what it is now and who
-/// settled it (the last operator's verdict, or the service itself).
+/// settled it (the operator whose verdict it carries, or the service).
 async fn settled<DB: AdminBackend>(ledger: &Ledger<DB>, row: &LedgerRow) -> Failure {
-    let last = ledger
-        .audit(&row_scope(row))
-        .await
-        .ok()
-        .and_then(|trail| trail.into_iter().last());
+    let trail = ledger.audit(&row_scope(row)).await.unwrap_or_default();
+    let last = settled_by(row, &trail);
     let now = match row.response_status {
         Some(s) => format!("{} {s}", row.status.as_str()),
         None => row.status.as_str().to_string(),
@@ -690,8 +687,7 @@ async fn settled<DB: AdminBackend>(ledger: &Ledger<DB>, row: &LedgerRow) -> Fail
             json!(e.actor),
         ),
         None => (
-            "the service (a client's retry or the completer; no operator verdict recorded)"
-                .to_string(),
+            "the service (a retry or the completer)".to_string(),
             Value::Null,
         ),
     };

@@ -54,7 +54,7 @@ pub trait AdminBackend: Backend + sealed::Sealed {
         scope: &Scope<'_>,
     ) -> impl Future<Output = Result<Option<LedgerRow>, sqlx::Error>> + Send;
 
-    /// At most `limit` audit rows of a stored scope, oldest first.
+    /// The newest `limit` audit rows of a stored scope, oldest first.
     #[doc(hidden)]
     fn audit_trail(
         pool: &Pool<Self>,
@@ -125,7 +125,7 @@ impl Dialect {
         format!(
             "SELECT id, {}, {}, {}, {}, {}, verdict, response_status, recorded_at, {} \
              FROM tower_idempotency_audit WHERE principal_id = {} AND operation = {} \
-             AND idem_key = {} ORDER BY id LIMIT {limit}",
+             AND idem_key = {} ORDER BY id DESC LIMIT {limit}",
             (self.read_key)("principal_id"),
             (self.read_key)("operation"),
             (self.read_key)("idem_key"),
@@ -287,12 +287,16 @@ macro_rules! admin_backend {
                 limit: i64,
             ) -> Result<Vec<AuditEntry>, sqlx::Error> {
                 let d: &Dialect = &$dialect;
-                sqlx::raw_sql(AssertSqlSafe(d.audit_select(scope, limit)))
+                // Newest first in the statement (so the limit keeps the
+                // newest rows), oldest first in the answer.
+                let mut trail = sqlx::raw_sql(AssertSqlSafe(d.audit_select(scope, limit)))
                     .fetch_all(pool)
                     .await?
                     .iter()
                     .map(audit_entry)
-                    .collect()
+                    .collect::<Result<Vec<_>, _>>()?;
+                trail.reverse();
+                Ok(trail)
             }
 
             async fn status(pool: &Pool<Self>) -> Result<LedgerStatus, sqlx::Error> {
