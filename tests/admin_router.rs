@@ -36,6 +36,7 @@ on_every_store!(
     html_pages_escape_and_the_form_settles_a_record,
     cross_site_posts_are_refused,
     a_json_verdict_names_the_record_as_seen,
+    without_an_actor_extension_the_form_asks_who,
 );
 
 /// The key the client sent (an SF string), and as stored (unquoted):
@@ -423,4 +424,74 @@ async fn a_json_verdict_names_the_record_as_seen<DB: Store>() {
     let message = late.json()["message"].as_str().unwrap().to_string();
     assert!(message.contains("by the service"), "{message}");
     assert!(!message.contains("alice"), "{message}");
+}
+
+/// Mounted without an authentication layer that names the operator, the
+/// record page asks who resolves, and the form's post records that name.
+async fn without_an_actor_extension_the_form_asks_who<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let anonymous = console(h.pool.clone(), None);
+    let page = text(
+        &send(
+            &anonymous,
+            get(&format!("/record?{}", record_query("pay-1"))),
+        )
+        .await,
+    );
+    assert!(page.contains("name=\"actor\""), "{page}");
+    assert!(page.contains("maxlength=\"255\""), "{page}");
+    // With an Actor from authentication, the page does not ask.
+    let known = console(h.pool.clone(), Some("alice"));
+    let page = text(&send(&known, get(&format!("/record?{}", record_query("pay-1")))).await);
+    assert!(!page.contains("name=\"actor\""), "{page}");
+
+    let seen = send(
+        &anonymous,
+        get(&format!("/api/record?{}", record_query("pay-1"))),
+    )
+    .await
+    .json();
+    let (generation, parks) = (seen["generation"].to_string(), seen["parks"].to_string());
+    let claim = seen["claim_id"].as_str().unwrap().to_string();
+    let fields = |actor: &str| {
+        form(&[
+            ("principal", PAYER),
+            ("operation", OPERATION),
+            ("key", "pay-1"),
+            ("generation", &generation),
+            ("claim_id", &claim),
+            ("parks", &parks),
+            ("verdict", "rerun"),
+            ("reason", "provider shows no charge"),
+            ("actor", actor),
+        ])
+    };
+    let origin = format!("http://{HOST}");
+    let nobody = send(&anonymous, post_form(fields("  "), &[("origin", &origin)])).await;
+    assert_eq!(nobody.status, StatusCode::BAD_REQUEST, "{nobody:?}");
+    let too_long = "x".repeat(256);
+    let long = send(
+        &anonymous,
+        post_form(fields(&too_long), &[("origin", &origin)]),
+    )
+    .await;
+    assert_eq!(long.status, StatusCode::BAD_REQUEST, "{long:?}");
+    let done = send(
+        &anonymous,
+        post_form(fields("carol"), &[("origin", &origin)]),
+    )
+    .await;
+    assert_eq!(done.status, StatusCode::OK, "{done:?}");
+    assert!(
+        text(&done).contains("Recorded by <strong>carol</strong>"),
+        "{done:?}"
+    );
+    let now = send(
+        &anonymous,
+        get(&format!("/api/record?{}", record_query("pay-1"))),
+    )
+    .await
+    .json();
+    assert_eq!(now["audit"][0]["actor"], "carol", "{now}");
 }

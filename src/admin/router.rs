@@ -26,8 +26,9 @@ const DEFAULT_LIST: u32 = 100;
 
 /// The operator a request acts for, put in the request extensions by the
 /// application's authentication layer. Verdicts are recorded as theirs;
-/// without it, a resolution must name its `actor` itself (the field is
-/// then the operator's word, not a proof).
+/// without it, a resolution must name its `actor` itself (the record page
+/// then asks for it; the field is the operator's word, not a proof, and is
+/// checked as [`Attribution::new`] checks it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Actor(pub String);
 
@@ -590,12 +591,14 @@ async fn page_list<DB: AdminBackend>(
 async fn page_record<DB: AdminBackend>(
     State(ledger): State<Ledger<DB>>,
     nested: Result<NestedPath, NestedPathRejection>,
+    actor: Option<Extension<Actor>>,
     Query(q): Query<ScopeQuery>,
 ) -> Response {
     let base = html::Base(prefix(&nested));
+    let actor = actor.as_deref().map(|Actor(a)| a.as_str());
     match ledger.show(&q.lookup()).await {
         Ok(Some(row)) => match ledger.audit(&row_scope(&row)).await {
-            Ok(trail) => Html(html::record(base, &row, &trail)).into_response(),
+            Ok(trail) => Html(html::record(base, &row, &trail, actor)).into_response(),
             Err(e) => Refusal::store(&e).html(base),
         },
         Ok(None) => Refusal {
