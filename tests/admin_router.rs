@@ -37,6 +37,7 @@ on_every_store!(
     cross_site_posts_are_refused,
     a_json_verdict_names_the_record_as_seen,
     without_an_actor_extension_the_form_asks_who,
+    the_form_presets_no_verdict_and_an_answer_needs_status_and_body,
 );
 
 /// The key the client sent (an SF string), and as stored (unquoted):
@@ -494,4 +495,76 @@ async fn without_an_actor_extension_the_form_asks_who<DB: Store>() {
     .await
     .json();
     assert_eq!(now["audit"][0]["actor"], "carol", "{now}");
+}
+
+/// The form chooses nothing for the operator: no verdict preselected, no
+/// status filled in; a succeeded or failed verdict without a status or a
+/// body is refused `400` with what is missing, nothing written.
+async fn the_form_presets_no_verdict_and_an_answer_needs_status_and_body<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let c = console(h.pool.clone(), Some("alice"));
+    let page = text(&send(&c, get(&format!("/record?{}", record_query("pay-1")))).await);
+    assert!(page.contains("name=\"verdict\""), "{page}");
+    assert!(!page.contains("checked"), "no verdict preselected: {page}");
+    let status_input = page
+        .split("<input")
+        .find(|i| i.contains("name=\"status\""))
+        .unwrap();
+    assert!(
+        !status_input.contains("value="),
+        "no status preset: {status_input}"
+    );
+
+    let seen = send(&c, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    let (generation, parks) = (seen["generation"].to_string(), seen["parks"].to_string());
+    let claim = seen["claim_id"].as_str().unwrap().to_string();
+    let fields = |verdict: &str, status: &str, body: &str| {
+        form(&[
+            ("principal", PAYER),
+            ("operation", OPERATION),
+            ("key", "pay-1"),
+            ("generation", &generation),
+            ("claim_id", &claim),
+            ("parks", &parks),
+            ("verdict", verdict),
+            ("status", status),
+            ("content_type", "application/json"),
+            ("body", body),
+            ("reason", "provider shows ch_1"),
+        ])
+    };
+    let origin = format!("http://{HOST}");
+    for (verdict, status, body, says) in [
+        ("", "201", "{}", "choose a verdict"),
+        ("succeeded", "", "{}", "status"),
+        ("failed", "", "{}", "status"),
+        ("succeeded", "201", "", "body"),
+        ("failed", "402", "  ", "body"),
+    ] {
+        let a = send(
+            &c,
+            post_form(fields(verdict, status, body), &[("origin", &origin)]),
+        )
+        .await;
+        assert_eq!(
+            a.status,
+            StatusCode::BAD_REQUEST,
+            "{verdict} {status} {body:?}: {a:?}"
+        );
+        assert!(text(&a).contains(says), "{says:?}: {a:?}");
+    }
+    let now = send(&c, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    assert_eq!(now["status"], "NEEDS_RECONCILIATION", "{now}");
+    assert_eq!(now["audit"], json!([]), "nothing written");
+    let done = send(
+        &c,
+        post_form(fields("succeeded", "201", "{}"), &[("origin", &origin)]),
+    )
+    .await;
+    assert_eq!(done.status, StatusCode::OK, "{done:?}");
 }

@@ -234,17 +234,18 @@ pub(crate) fn record(
             "<h2>Settle it</h2><form class=\"box\" method=\"post\" action=\"{}\">{}{}{}{}{}{}\
              <p class=\"note\">Check the provider with the step key first. The verdict applies to the \
              record as shown here: if it changes meanwhile, the verdict is refused.</p>\
-             <label><input type=\"radio\" name=\"verdict\" value=\"succeeded\" checked> Succeeded: \
-             retries replay this answer</label>\
-             <label><input type=\"radio\" name=\"verdict\" value=\"failed\"> Failed for good: \
-             retries replay this answer</label>\
-             <label><input type=\"radio\" name=\"verdict\" value=\"rerun\"> Nothing took effect: \
-             the next retry runs it again</label>\
-             <label for=\"answer-status\">Answer status</label><input type=\"number\" id=\"answer-status\" \
-             name=\"status\" value=\"201\" min=\"200\" max=\"599\">\
+             <label><input type=\"radio\" name=\"verdict\" id=\"verdict-succeeded\" value=\"succeeded\" \
+             required> Succeeded: retries replay this answer</label>\
+             <label><input type=\"radio\" name=\"verdict\" id=\"verdict-failed\" value=\"failed\"> \
+             Failed for good: retries replay this answer</label>\
+             <label><input type=\"radio\" name=\"verdict\" id=\"verdict-rerun\" value=\"rerun\"> \
+             Nothing took effect: the next retry runs it again</label>\
+             <label for=\"answer-status\">Answer status (succeeded or failed)</label>\
+             <input type=\"number\" id=\"answer-status\" name=\"status\" min=\"200\" max=\"599\">\
              <label for=\"content_type\">Answer content type</label><input type=\"text\" \
              id=\"content_type\" name=\"content_type\" value=\"application/json\">\
-             <label for=\"body\">Answer body</label><textarea id=\"body\" name=\"body\"></textarea>\
+             <label for=\"body\">Answer body (succeeded or failed)</label>\
+             <textarea id=\"body\" name=\"body\"></textarea>\
              <label for=\"reason\">Reason (recorded in the audit trail)</label>\
              <textarea id=\"reason\" name=\"reason\" required></textarea>{}\
              <button type=\"submit\" id=\"resolve\">Record the verdict</button></form>",

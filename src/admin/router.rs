@@ -336,6 +336,25 @@ impl Request {
     }
 
     fn from_form(f: ResolveForm, actor: Option<&Actor>) -> Result<Self, Refusal> {
+        // The form presets no verdict and no answer: each must be chosen.
+        match f.verdict.trim() {
+            "" => {
+                return Err(Refusal::bad("choose a verdict: succeeded, failed or rerun"));
+            }
+            "succeeded" | "failed" => {
+                if f.status.trim().is_empty() {
+                    return Err(Refusal::bad(
+                        "a succeeded or failed verdict needs the answer's status",
+                    ));
+                }
+                if f.body.trim().is_empty() {
+                    return Err(Refusal::bad(
+                        "a succeeded or failed verdict needs the answer's body (what retries will replay)",
+                    ));
+                }
+            }
+            _ => {}
+        }
         let status = match f.status.trim() {
             "" => None,
             s => Some(
