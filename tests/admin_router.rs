@@ -38,6 +38,7 @@ on_every_store!(
     a_json_verdict_names_the_record_as_seen,
     without_an_actor_extension_the_form_asks_who,
     the_form_presets_no_verdict_and_an_answer_needs_status_and_body,
+    without_a_host_header_the_origin_is_checked_against_the_authority,
 );
 
 /// The key the client sent (an SF string), and as stored (unquoted):
@@ -567,4 +568,59 @@ async fn the_form_presets_no_verdict_and_an_answer_needs_status_and_body<DB: Sto
     )
     .await;
     assert_eq!(done.status, StatusCode::OK, "{done:?}");
+}
+
+/// A request body that never arrives.
+struct Never;
+
+impl http_body::Body for Never {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        std::task::Poll::Pending
+    }
+}
+
+/// HTTP/2 carries the host in the `:authority` pseudo-header (the URI), not
+/// in a `Host` header: the same-origin check compares `Origin` with it. A
+/// cross-site post is refused before its body is read.
+async fn without_a_host_header_the_origin_is_checked_against_the_authority<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let c = console(h.pool.clone(), Some("alice"));
+    let seen = send(&c, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    let fields = form(&[
+        ("principal", PAYER),
+        ("operation", OPERATION),
+        ("key", "pay-1"),
+        ("generation", &seen["generation"].to_string()),
+        ("claim_id", seen["claim_id"].as_str().unwrap()),
+        ("parks", &seen["parks"].to_string()),
+        ("verdict", "rerun"),
+        ("reason", "provider shows no charge"),
+    ]);
+    let h2 = |origin: &str, body: Body| {
+        Request::post(format!("https://{HOST}/resolve"))
+            .version(http::Version::HTTP_2)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .header("origin", origin)
+            .body(body)
+            .unwrap()
+    };
+    let within = |req| async {
+        tokio::time::timeout(std::time::Duration::from_secs(5), send(&c, req))
+            .await
+            .expect("answered without waiting for the body")
+    };
+    let forged = within(h2("https://evil.example", Body::new(Never))).await;
+    assert_eq!(forged.status, StatusCode::FORBIDDEN, "{forged:?}");
+    let done = within(h2(&format!("https://{HOST}"), Body::from(fields))).await;
+    assert_eq!(done.status, StatusCode::OK, "{done:?}");
+    assert!(text(&done).contains("Verdict recorded"), "{done:?}");
 }

@@ -1,9 +1,10 @@
 //! The operators' console: [`router`], JSON routes and a small
 //! server-rendered HTML page over a [`Ledger`].
 
+use axum::extract::FromRequest;
 use axum::extract::rejection::{FormRejection, JsonRejection, NestedPathRejection};
 use axum::extract::{DefaultBodyLimit, NestedPath, Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Form, Json, Router};
@@ -80,8 +81,9 @@ pub struct Actor(pub String);
 ///
 /// Every `POST` must come from the console's own origin: its `Origin`
 /// header (or, without one, its `Referer`) must name the same host and
-/// port as its `Host` header, else it is refused `403` before its body is
-/// read. Browsers send `Origin` on every cross-site `POST`, and a page on
+/// port as its `Host` header (or, without one, as HTTP/2 requests come,
+/// the request's `:authority`), else it is refused `403` before its body
+/// is read. Browsers send `Origin` on every cross-site `POST`, and a page on
 /// another site cannot forge it. A request with neither header is
 /// accepted only as `application/json` (a script or `curl`): a browser
 /// sends JSON across origins only after a CORS preflight, which this
@@ -230,18 +232,19 @@ impl Refusal {
 
 /// The CSRF defence (see [`router`]): `Ok` when the request comes from
 /// the console's own origin, or is JSON with neither `Origin` nor
-/// `Referer`.
-fn same_origin(headers: &HeaderMap, json_body: bool) -> Result<(), Refusal> {
+/// `Referer`. The console's host is the `Host` header, or without one
+/// (HTTP/2 sends `:authority` instead) the request URI's authority.
+fn same_origin(headers: &HeaderMap, uri: &Uri, json_body: bool) -> Result<(), Refusal> {
     let forbidden = |message: &str| Refusal {
         status: StatusCode::FORBIDDEN,
         kind: "cross_origin",
         message: message.to_string(),
         record: None,
     };
-    let host = headers
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .map(|h| h.trim().to_ascii_lowercase());
+    let host = match headers.get(header::HOST) {
+        Some(h) => h.to_str().ok().map(|h| h.trim().to_ascii_lowercase()),
+        None => uri.authority().map(|a| a.as_str().to_ascii_lowercase()),
+    };
     let source = headers
         .get(header::ORIGIN)
         .or_else(|| headers.get(header::REFERER))
@@ -551,12 +554,13 @@ async fn api_status<DB: AdminBackend>(State(ledger): State<Ledger<DB>>) -> Respo
 async fn api_resolve<DB: AdminBackend>(
     State(ledger): State<Ledger<DB>>,
     actor: Option<Extension<Actor>>,
-    headers: HeaderMap,
-    body: Result<Json<ResolveJson>, JsonRejection>,
+    req: axum::extract::Request,
 ) -> Response {
-    if let Err(refused) = same_origin(&headers, is_json(&headers)) {
+    // Checked before the body is read.
+    if let Err(refused) = same_origin(req.headers(), req.uri(), is_json(req.headers())) {
         return refused.json();
     }
+    let body: Result<Json<ResolveJson>, JsonRejection> = Json::from_request(req, &()).await;
     let Json(body) = match body {
         Ok(body) => body,
         Err(e) => {
@@ -635,13 +639,14 @@ async fn page_resolve<DB: AdminBackend>(
     State(ledger): State<Ledger<DB>>,
     nested: Result<NestedPath, NestedPathRejection>,
     actor: Option<Extension<Actor>>,
-    headers: HeaderMap,
-    form: Result<Form<ResolveForm>, FormRejection>,
+    req: axum::extract::Request,
 ) -> Response {
     let base = html::Base(prefix(&nested));
-    if let Err(refused) = same_origin(&headers, false) {
+    // Checked before the body is read.
+    if let Err(refused) = same_origin(req.headers(), req.uri(), false) {
         return refused.html(base);
     }
+    let form: Result<Form<ResolveForm>, FormRejection> = Form::from_request(req, &()).await;
     let Form(form) = match form {
         Ok(form) => form,
         Err(e) => {
