@@ -39,6 +39,7 @@ on_every_store!(
     status_counts_by_status_and_operation,
     show_finds_a_record_by_its_key_or_its_stored_hash,
     the_trail_ends_with_the_newest_verdict_past_its_limit,
+    status_counts_stranded_records_at_the_configured_age,
 );
 
 fn answer() -> Resolution {
@@ -296,4 +297,27 @@ async fn the_trail_ends_with_the_newest_verdict_past_its_limit<DB: Store>() {
     assert_eq!(trail.len(), 1000);
     assert_eq!(trail.last().unwrap().actor, "newest");
     assert!(trail.windows(2).all(|w| w[0].id < w[1].id), "oldest first");
+}
+
+/// `status` counts what `unresolved` lists: with the ledger's stranded
+/// age, not the default hour.
+async fn status_counts_stranded_records_at_the_configured_age<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let ledger = Ledger::new(h.pool.clone());
+    let record = ledger.unresolved(10).await.unwrap().remove(0);
+    let by = Attribution::new("alice", "provider shows no charge").unwrap();
+    // Rerun: PROCESSING, its lease lapsed, nothing pending; nobody retries.
+    ledger
+        .resolve(&record, Resolution::Rerun, &by)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let quick = ledger
+        .clone()
+        .with_stranded_after(Duration::from_millis(100));
+    assert_eq!(quick.unresolved(10).await.unwrap().len(), 1);
+    assert_eq!(quick.status().await.unwrap().unresolved, 1);
+    assert_eq!(ledger.unresolved(10).await.unwrap().len(), 0);
+    assert_eq!(ledger.status().await.unwrap().unresolved, 0);
 }

@@ -310,8 +310,10 @@ impl<DB: AdminBackend> Ledger<DB> {
     }
 
     /// The ledger at a glance: one scan of the table, and the lease index.
+    /// Its unresolved count is [`unresolved`](Self::unresolved)'s
+    /// definition, with this ledger's stranded age.
     pub async fn status(&self) -> Result<LedgerStatus, sqlx::Error> {
-        DB::status(&self.pool).await
+        DB::status(&self.pool, crate::expiry::millis(self.stranded_after)).await
     }
 
     /// What a [`Sweeper`](crate::Sweeper) pass would expire and purge now

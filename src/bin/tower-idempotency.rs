@@ -43,7 +43,12 @@ enum Command {
     Migrate,
     /// Rows by status and operation, the oldest PROCESSING row, parked and
     /// stranded rows, tombstones, size on disk.
-    Status,
+    Status {
+        /// Count lapsed leases with nothing pending as unresolved after
+        /// this many seconds (as `unresolved --stranded-after`).
+        #[arg(long, value_name = "SECONDS")]
+        stranded_after: Option<u64>,
+    },
     /// Every record whose outcome is not settled, oldest first.
     Unresolved {
         /// The most records to list (1 to 1000).
@@ -264,7 +269,13 @@ async fn run<DB: AdminBackend>(pool: Pool<DB>, cli: Cli) -> Outcome {
     let json = cli.json;
     match cli.command {
         Command::Migrate => migrate(&ledger, json).await,
-        Command::Status => status(&ledger, json).await,
+        Command::Status { stranded_after } => {
+            let ledger = match stranded_after {
+                Some(s) => ledger.with_stranded_after(Duration::from_secs(s)),
+                None => ledger,
+            };
+            status(&ledger, json).await
+        }
         Command::Unresolved {
             limit,
             stranded_after,

@@ -62,9 +62,13 @@ pub trait AdminBackend: Backend + sealed::Sealed {
         limit: i64,
     ) -> impl Future<Output = Result<Vec<AuditEntry>, sqlx::Error>> + Send;
 
-    /// Rows by status and operation, leased rows past their lease, size.
+    /// Rows by status and operation, leased rows past their lease, size;
+    /// unresolved records with lapsed leases stranded after `stranded_ms`.
     #[doc(hidden)]
-    fn status(pool: &Pool<Self>) -> impl Future<Output = Result<LedgerStatus, sqlx::Error>> + Send;
+    fn status(
+        pool: &Pool<Self>,
+        stranded_ms: i64,
+    ) -> impl Future<Output = Result<LedgerStatus, sqlx::Error>> + Send;
 
     /// The database clock, epoch milliseconds.
     #[doc(hidden)]
@@ -299,7 +303,10 @@ macro_rules! admin_backend {
                 Ok(trail)
             }
 
-            async fn status(pool: &Pool<Self>) -> Result<LedgerStatus, sqlx::Error> {
+            async fn status(
+                pool: &Pool<Self>,
+                stranded_ms: i64,
+            ) -> Result<LedgerStatus, sqlx::Error> {
                 let d: &Dialect = &$dialect;
                 let groups = sqlx::raw_sql(AssertSqlSafe(d.status_groups()))
                     .fetch_all(pool)
@@ -319,11 +326,8 @@ macro_rules! admin_backend {
                 let leases = sqlx::raw_sql(AssertSqlSafe(d.status_leases(now)))
                     .fetch_one(pool)
                     .await?;
-                let (unresolved, oldest_unresolved, _) = <$db as Backend>::count_unresolved(
-                    pool,
-                    crate::expiry::millis(crate::DEFAULT_STRANDED_AFTER),
-                )
-                .await?;
+                let (unresolved, oldest_unresolved, _) =
+                    <$db as Backend>::count_unresolved(pool, stranded_ms).await?;
                 let size: Option<DiskSize> = {
                     let sql: &'static str = $size.0;
                     let estimate: bool = $size.1;
