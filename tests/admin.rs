@@ -40,6 +40,7 @@ on_every_store!(
     show_finds_a_record_by_its_key_or_its_stored_hash,
     the_trail_ends_with_the_newest_verdict_past_its_limit,
     status_counts_stranded_records_at_the_configured_age,
+    show_finds_a_record_by_its_key_as_sent_on_the_wire,
 );
 
 fn answer() -> Resolution {
@@ -320,4 +321,26 @@ async fn status_counts_stranded_records_at_the_configured_age<DB: Store>() {
     assert_eq!(quick.status().await.unwrap().unresolved, 1);
     assert_eq!(ledger.unresolved(10).await.unwrap().len(), 0);
     assert_eq!(ledger.status().await.unwrap().unresolved, 0);
+}
+
+/// The key as the client sent it in the header, a Structured Field String
+/// (`"…"`, with `\"` and `\\` escapes), names the record stored unquoted.
+async fn show_finds_a_record_by_its_key_as_sent_on_the_wire<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    let sent = r#""pay \"q\" 1""#;
+    park(&app, sent).await;
+    let ledger = Ledger::new(h.pool.clone());
+    let listed = ledger.unresolved(10).await.unwrap();
+    assert_eq!(listed[0].key, r#"pay "q" 1"#, "stored unquoted");
+    for key in [sent, r#"pay "q" 1"#] {
+        let row = ledger
+            .show(&Lookup::new(PAYER, OPERATION, key))
+            .await
+            .unwrap();
+        assert_eq!(
+            row.map(|r| r.key),
+            Some(r#"pay "q" 1"#.to_string()),
+            "{key}"
+        );
+    }
 }

@@ -293,7 +293,9 @@ impl Lookup {
     /// The record of `(principal, operation, key)`. [`Ledger::show`](super::Ledger::show)
     /// tries each value as given (the stored form a listing prints), then
     /// as the layer stores it (long values, and every key with
-    /// `with_hashed_keys`, as `sha256:…`).
+    /// `with_hashed_keys`, as `sha256:…`). A key in double quotes is also
+    /// tried as the `Idempotency-Key` header's Structured Field String
+    /// (`"…"`, as a client sends it), unquoted as the layer stores it.
     pub fn new(
         principal: impl Into<String>,
         operation: impl Into<String>,
@@ -307,7 +309,7 @@ impl Lookup {
     }
 
     /// The stored scopes this lookup may name, most literal first, without
-    /// repeats (at most twelve, usually two).
+    /// repeats (at most twenty-four, usually two).
     pub(crate) fn candidates(&self) -> Vec<(String, String, String)> {
         let forms = |v: &str, op: bool| -> Vec<String> {
             let stored: Cow<'_, str> = if op {
@@ -323,7 +325,19 @@ impl Lookup {
             }
             out
         };
-        let keys = forms(&self.key, false);
+        let mut keys = forms(&self.key, false);
+        // The key as sent on the wire: a Structured Field String (`"…"`)
+        // names the key the layer stored unquoted.
+        if self.key.trim_start().starts_with('"')
+            && let Ok(parsed) =
+                crate::key::IdempotencyKey::parse(self.key.as_bytes(), crate::key::KeyMode::Strict)
+        {
+            for f in forms(parsed.as_str(), false) {
+                if !keys.contains(&f) {
+                    keys.push(f);
+                }
+            }
+        }
         let mut out = Vec::new();
         for p in forms(&self.principal, false).into_iter().take(2) {
             for o in forms(&self.operation, true).into_iter().take(2) {

@@ -84,7 +84,8 @@ struct ScopeArgs {
     /// The operation, such as "POST /payments".
     #[arg(long)]
     operation: String,
-    /// The key, as the client sent it, or the stored sha256:… form.
+    /// The key, as the client sent it (bare, or the header's quoted
+    /// "…" form), or the stored sha256:… form.
     #[arg(long)]
     key: String,
 }
