@@ -324,6 +324,12 @@ async fn a_held_record_is_refused<DB: Store>() {
         &parks,
     ];
     rerun.extend(scope("pay-1"));
+    // A dry run makes the same check as the verdict.
+    let mut dry = rerun.clone();
+    dry.push("--dry-run");
+    cli(&url, &dry)
+        .await
+        .assert_failed(1, "holds the record's lease");
     cli(&url, &rerun)
         .await
         .assert_failed(1, "holds the record's lease");
