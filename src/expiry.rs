@@ -73,6 +73,7 @@ pub struct Sweeper<DB: Backend> {
     max_batches: u32,
     pause: Duration,
     tombstone_retention: Duration,
+    stranded_after: Duration,
 }
 
 /// What one sweep did.
@@ -95,6 +96,7 @@ impl<DB: Backend> Sweeper<DB> {
             max_batches: 10_000,
             pause: Duration::from_millis(10),
             tombstone_retention: DEFAULT_TOMBSTONE_RETENTION,
+            stranded_after: crate::DEFAULT_STRANDED_AFTER,
         }
     }
 
@@ -128,6 +130,16 @@ impl<DB: Backend> Sweeper<DB> {
     #[must_use]
     pub fn with_tombstone_retention(mut self, retention: Duration) -> Self {
         self.tombstone_retention = retention;
+        self
+    }
+
+    /// The stranded age the unresolved-records gauges count with (feature
+    /// `metrics`), as [`Reconciler::with_stranded_after`](crate::Reconciler::with_stranded_after):
+    /// set it to what the operators' listing uses. The default is
+    /// [`DEFAULT_STRANDED_AFTER`](crate::DEFAULT_STRANDED_AFTER).
+    #[must_use]
+    pub fn with_stranded_after(mut self, age: Duration) -> Self {
+        self.stranded_after = age;
         self
     }
 
@@ -167,7 +179,7 @@ impl<DB: Backend> Sweeper<DB> {
             }
         }
         #[cfg(feature = "metrics")]
-        crate::observe::unresolved_gauges(&self.pool).await;
+        crate::observe::unresolved_gauges(&self.pool, self.stranded_after).await;
         Ok(report)
     }
 

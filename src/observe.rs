@@ -63,8 +63,11 @@ pub(crate) fn timing(field: &'static str, took: Duration) {
 
 /// Refreshes the unresolved-records gauges from the ledger in `pool`.
 #[cfg(feature = "metrics")]
-pub(crate) async fn unresolved_gauges<DB: crate::Backend>(pool: &sqlx::Pool<DB>) {
-    let stranded = crate::expiry::millis(crate::DEFAULT_STRANDED_AFTER);
+pub(crate) async fn unresolved_gauges<DB: crate::Backend>(
+    pool: &sqlx::Pool<DB>,
+    stranded_after: Duration,
+) {
+    let stranded = crate::expiry::millis(stranded_after);
     match DB::count_unresolved(pool, stranded).await {
         Ok((count, oldest, now)) => {
             metrics::gauge!("idempotency_unresolved_records").set(count as f64);

@@ -38,6 +38,9 @@ on_every_store!(
     no_verdict_lands_without_its_audit_row,
     status_counts_by_status_and_operation,
     show_finds_a_record_by_its_key_or_its_stored_hash,
+    the_trail_ends_with_the_newest_verdict_past_its_limit,
+    status_counts_stranded_records_at_the_configured_age,
+    show_finds_a_record_by_its_key_as_sent_on_the_wire,
 );
 
 fn answer() -> Resolution {
@@ -261,4 +264,83 @@ async fn show_finds_a_record_by_its_key_or_its_stored_hash<DB: Store>() {
         .await
         .unwrap();
     assert_eq!(none, None, "another principal's key is not found");
+}
+
+/// A trail longer than [`MAX_TRAIL`](tower_idempotency::admin::MAX_TRAIL):
+/// `audit` keeps the newest rows (oldest first), so its last entry is the
+/// newest verdict.
+async fn the_trail_ends_with_the_newest_verdict_past_its_limit<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let ledger = Ledger::new(h.pool.clone());
+    let row = ledger
+        .show(&Lookup::new(PAYER, OPERATION, "pay-1"))
+        .await
+        .unwrap()
+        .unwrap();
+    let values = |actor: &str, n: usize| {
+        vec![
+            format!(
+                "('{PAYER}', '{OPERATION}', 'pay-1', '{actor}', 'x', 'rerun', NULL, 1, '{{}}')"
+            );
+            n
+        ]
+        .join(", ")
+    };
+    let insert = "INSERT INTO tower_idempotency_audit (principal_id, operation, idem_key, \
+                  actor, reason, verdict, response_status, recorded_at, before_record) VALUES ";
+    DB::exec(&h.pool, format!("{insert}{}", values("old", 1001)).leak()).await;
+    DB::exec(&h.pool, format!("{insert}{}", values("newest", 1)).leak()).await;
+    let trail = ledger
+        .audit(&row.as_unresolved().unwrap().scope())
+        .await
+        .unwrap();
+    assert_eq!(trail.len(), 1000);
+    assert_eq!(trail.last().unwrap().actor, "newest");
+    assert!(trail.windows(2).all(|w| w[0].id < w[1].id), "oldest first");
+}
+
+/// `status` counts what `unresolved` lists: with the ledger's stranded
+/// age, not the default hour.
+async fn status_counts_stranded_records_at_the_configured_age<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let ledger = Ledger::new(h.pool.clone());
+    let record = ledger.unresolved(10).await.unwrap().remove(0);
+    let by = Attribution::new("alice", "provider shows no charge").unwrap();
+    // Rerun: PROCESSING, its lease lapsed, nothing pending; nobody retries.
+    ledger
+        .resolve(&record, Resolution::Rerun, &by)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let quick = ledger
+        .clone()
+        .with_stranded_after(Duration::from_millis(100));
+    assert_eq!(quick.unresolved(10).await.unwrap().len(), 1);
+    assert_eq!(quick.status().await.unwrap().unresolved, 1);
+    assert_eq!(ledger.unresolved(10).await.unwrap().len(), 0);
+    assert_eq!(ledger.status().await.unwrap().unresolved, 0);
+}
+
+/// The key as the client sent it in the header, a Structured Field String
+/// (`"…"`, with `\"` and `\\` escapes), names the record stored unquoted.
+async fn show_finds_a_record_by_its_key_as_sent_on_the_wire<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    let sent = r#""pay \"q\" 1""#;
+    park(&app, sent).await;
+    let ledger = Ledger::new(h.pool.clone());
+    let listed = ledger.unresolved(10).await.unwrap();
+    assert_eq!(listed[0].key, r#"pay "q" 1"#, "stored unquoted");
+    for key in [sent, r#"pay "q" 1"#] {
+        let row = ledger
+            .show(&Lookup::new(PAYER, OPERATION, key))
+            .await
+            .unwrap();
+        assert_eq!(
+            row.map(|r| r.key),
+            Some(r#"pay "q" 1"#.to_string()),
+            "{key}"
+        );
+    }
 }

@@ -35,6 +35,10 @@ on_every_store!(
     json_routes_list_show_resolve_and_refuse_when_settled,
     html_pages_escape_and_the_form_settles_a_record,
     cross_site_posts_are_refused,
+    a_json_verdict_names_the_record_as_seen,
+    without_an_actor_extension_the_form_asks_who,
+    the_form_presets_no_verdict_and_an_answer_needs_status_and_body,
+    without_a_host_header_the_origin_is_checked_against_the_authority,
 );
 
 /// The key the client sent (an SF string), and as stored (unquoted):
@@ -142,12 +146,14 @@ async fn json_routes_list_show_resolve_and_refuse_when_settled<DB: Store>() {
     let missing = send(&c, get(&format!("/api/record?{}", record_query("nope")))).await;
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
 
+    let seen = shown.json();
     let verdict = json!({
         "principal": PAYER, "operation": OPERATION, "key": "pay-1",
         "verdict": "succeeded", "status": 201,
         "headers": [["content-type", "application/json"]],
         "body": "{\"chargeId\":\"ch_console\"}",
         "reason": "provider shows ch_console",
+        "generation": seen["generation"], "parks": seen["parks"], "claim_id": seen["claim_id"],
     });
     // No reason: 400, nothing written.
     let mut no_reason = verdict.clone();
@@ -187,8 +193,14 @@ async fn json_routes_list_show_resolve_and_refuse_when_settled<DB: Store>() {
     let anonymous = console(h.pool.clone(), None);
     let park2 = park(&app, "pay-2");
     park2.await;
+    let seen2 = send(&c, get(&format!("/api/record?{}", record_query("pay-2"))))
+        .await
+        .json();
     let mut v2 = verdict.clone();
     v2["key"] = json!("pay-2");
+    v2["generation"] = seen2["generation"].clone();
+    v2["parks"] = seen2["parks"].clone();
+    v2["claim_id"] = seen2["claim_id"].clone();
     let refused = send(&anonymous, post_json("/api/resolve", v2.clone(), None)).await;
     assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{refused:?}");
     v2["actor"] = json!("carol");
@@ -344,4 +356,271 @@ async fn cross_site_posts_are_refused<DB: Store>() {
     let shown = send(&c, get(&format!("/api/record?{}", record_query("pay-1")))).await;
     assert_eq!(shown.json()["status"], "NEEDS_RECONCILIATION");
     assert_eq!(shown.json()["audit"], json!([]));
+}
+
+/// Two operators look at one parked record through the JSON API. Alice
+/// reruns it as she saw it; Bob, from the same earlier look, records it
+/// succeeded: `409`, nothing written. A lease-mode record cannot be
+/// resolved without naming it as seen (`400`).
+async fn a_json_verdict_names_the_record_as_seen<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let alice = console(h.pool.clone(), Some("alice"));
+    let bob = console(h.pool.clone(), Some("bob"));
+    let seen = send(&bob, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    let rerun = json!({
+        "principal": PAYER, "operation": OPERATION, "key": "pay-1",
+        "verdict": "rerun", "reason": "provider shows no charge",
+        "generation": seen["generation"], "parks": seen["parks"], "claim_id": seen["claim_id"],
+    });
+    let done = send(&alice, post_json("/api/resolve", rerun, None)).await;
+    assert_eq!(done.status, StatusCode::OK, "{done:?}");
+    assert_eq!(done.json()["after"]["status"], "PROCESSING");
+
+    let succeeded = json!({
+        "principal": PAYER, "operation": OPERATION, "key": "pay-1",
+        "verdict": "succeeded", "status": 201, "body": "{}",
+        "reason": "provider shows a charge",
+    });
+    let mut stale = succeeded.clone();
+    stale["generation"] = seen["generation"].clone();
+    stale["parks"] = seen["parks"].clone();
+    stale["claim_id"] = seen["claim_id"].clone();
+    let refused = send(&bob, post_json("/api/resolve", stale, None)).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{refused:?}");
+    assert_eq!(refused.json()["error"], "changed");
+    assert_eq!(refused.json()["record"]["status"], "PROCESSING");
+    let blind = send(&bob, post_json("/api/resolve", succeeded, None)).await;
+    assert_eq!(blind.status, StatusCode::BAD_REQUEST, "{blind:?}");
+    assert!(
+        blind.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("generation"),
+        "{blind:?}"
+    );
+
+    let now = send(&bob, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    assert_eq!(now["status"], "PROCESSING", "{now}");
+    assert_eq!(now["audit"].as_array().unwrap().len(), 1, "{now}");
+    assert_eq!(now["audit"][0]["actor"], "alice");
+
+    // The client's retry completes it after Alice's rerun: a late verdict
+    // is refused as settled by the service, not credited to Alice.
+    app.state.provider.lookup_down(false);
+    let retry = send(&app.router, payment("pay-1", PAY)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    let mut late = json!({
+        "principal": PAYER, "operation": OPERATION, "key": "pay-1",
+        "verdict": "rerun", "reason": "late",
+    });
+    late["generation"] = seen["generation"].clone();
+    late["parks"] = seen["parks"].clone();
+    let late = send(&bob, post_json("/api/resolve", late, None)).await;
+    assert_eq!(late.status, StatusCode::CONFLICT, "{late:?}");
+    assert_eq!(late.json()["error"], "settled");
+    let message = late.json()["message"].as_str().unwrap().to_string();
+    assert!(message.contains("by the service"), "{message}");
+    assert!(!message.contains("alice"), "{message}");
+}
+
+/// Mounted without an authentication layer that names the operator, the
+/// record page asks who resolves, and the form's post records that name.
+async fn without_an_actor_extension_the_form_asks_who<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let anonymous = console(h.pool.clone(), None);
+    let page = text(
+        &send(
+            &anonymous,
+            get(&format!("/record?{}", record_query("pay-1"))),
+        )
+        .await,
+    );
+    assert!(page.contains("name=\"actor\""), "{page}");
+    assert!(page.contains("maxlength=\"255\""), "{page}");
+    // With an Actor from authentication, the page does not ask.
+    let known = console(h.pool.clone(), Some("alice"));
+    let page = text(&send(&known, get(&format!("/record?{}", record_query("pay-1")))).await);
+    assert!(!page.contains("name=\"actor\""), "{page}");
+
+    let seen = send(
+        &anonymous,
+        get(&format!("/api/record?{}", record_query("pay-1"))),
+    )
+    .await
+    .json();
+    let (generation, parks) = (seen["generation"].to_string(), seen["parks"].to_string());
+    let claim = seen["claim_id"].as_str().unwrap().to_string();
+    let fields = |actor: &str| {
+        form(&[
+            ("principal", PAYER),
+            ("operation", OPERATION),
+            ("key", "pay-1"),
+            ("generation", &generation),
+            ("claim_id", &claim),
+            ("parks", &parks),
+            ("verdict", "rerun"),
+            ("reason", "provider shows no charge"),
+            ("actor", actor),
+        ])
+    };
+    let origin = format!("http://{HOST}");
+    let nobody = send(&anonymous, post_form(fields("  "), &[("origin", &origin)])).await;
+    assert_eq!(nobody.status, StatusCode::BAD_REQUEST, "{nobody:?}");
+    let too_long = "x".repeat(256);
+    let long = send(
+        &anonymous,
+        post_form(fields(&too_long), &[("origin", &origin)]),
+    )
+    .await;
+    assert_eq!(long.status, StatusCode::BAD_REQUEST, "{long:?}");
+    let done = send(
+        &anonymous,
+        post_form(fields("carol"), &[("origin", &origin)]),
+    )
+    .await;
+    assert_eq!(done.status, StatusCode::OK, "{done:?}");
+    assert!(
+        text(&done).contains("Recorded by <strong>carol</strong>"),
+        "{done:?}"
+    );
+    let now = send(
+        &anonymous,
+        get(&format!("/api/record?{}", record_query("pay-1"))),
+    )
+    .await
+    .json();
+    assert_eq!(now["audit"][0]["actor"], "carol", "{now}");
+}
+
+/// The form chooses nothing for the operator: no verdict preselected, no
+/// status filled in; a succeeded or failed verdict without a status or a
+/// body is refused `400` with what is missing, nothing written.
+async fn the_form_presets_no_verdict_and_an_answer_needs_status_and_body<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let c = console(h.pool.clone(), Some("alice"));
+    let page = text(&send(&c, get(&format!("/record?{}", record_query("pay-1")))).await);
+    assert!(page.contains("name=\"verdict\""), "{page}");
+    assert!(!page.contains("checked"), "no verdict preselected: {page}");
+    let status_input = page
+        .split("<input")
+        .find(|i| i.contains("name=\"status\""))
+        .unwrap();
+    assert!(
+        !status_input.contains("value="),
+        "no status preset: {status_input}"
+    );
+
+    let seen = send(&c, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    let (generation, parks) = (seen["generation"].to_string(), seen["parks"].to_string());
+    let claim = seen["claim_id"].as_str().unwrap().to_string();
+    let fields = |verdict: &str, status: &str, body: &str| {
+        form(&[
+            ("principal", PAYER),
+            ("operation", OPERATION),
+            ("key", "pay-1"),
+            ("generation", &generation),
+            ("claim_id", &claim),
+            ("parks", &parks),
+            ("verdict", verdict),
+            ("status", status),
+            ("content_type", "application/json"),
+            ("body", body),
+            ("reason", "provider shows ch_1"),
+        ])
+    };
+    let origin = format!("http://{HOST}");
+    for (verdict, status, body, says) in [
+        ("", "201", "{}", "choose a verdict"),
+        ("succeeded", "", "{}", "status"),
+        ("failed", "", "{}", "status"),
+        ("succeeded", "201", "", "body"),
+        ("failed", "402", "  ", "body"),
+    ] {
+        let a = send(
+            &c,
+            post_form(fields(verdict, status, body), &[("origin", &origin)]),
+        )
+        .await;
+        assert_eq!(
+            a.status,
+            StatusCode::BAD_REQUEST,
+            "{verdict} {status} {body:?}: {a:?}"
+        );
+        assert!(text(&a).contains(says), "{says:?}: {a:?}");
+    }
+    let now = send(&c, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    assert_eq!(now["status"], "NEEDS_RECONCILIATION", "{now}");
+    assert_eq!(now["audit"], json!([]), "nothing written");
+    let done = send(
+        &c,
+        post_form(fields("succeeded", "201", "{}"), &[("origin", &origin)]),
+    )
+    .await;
+    assert_eq!(done.status, StatusCode::OK, "{done:?}");
+}
+
+/// A request body that never arrives.
+struct Never;
+
+impl http_body::Body for Never {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        std::task::Poll::Pending
+    }
+}
+
+/// HTTP/2 carries the host in the `:authority` pseudo-header (the URI), not
+/// in a `Host` header: the same-origin check compares `Origin` with it. A
+/// cross-site post is refused before its body is read.
+async fn without_a_host_header_the_origin_is_checked_against_the_authority<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let c = console(h.pool.clone(), Some("alice"));
+    let seen = send(&c, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    let fields = form(&[
+        ("principal", PAYER),
+        ("operation", OPERATION),
+        ("key", "pay-1"),
+        ("generation", &seen["generation"].to_string()),
+        ("claim_id", seen["claim_id"].as_str().unwrap()),
+        ("parks", &seen["parks"].to_string()),
+        ("verdict", "rerun"),
+        ("reason", "provider shows no charge"),
+    ]);
+    let h2 = |origin: &str, body: Body| {
+        Request::post(format!("https://{HOST}/resolve"))
+            .version(http::Version::HTTP_2)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .header("origin", origin)
+            .body(body)
+            .unwrap()
+    };
+    let within = |req| async {
+        tokio::time::timeout(std::time::Duration::from_secs(5), send(&c, req))
+            .await
+            .expect("answered without waiting for the body")
+    };
+    let forged = within(h2("https://evil.example", Body::new(Never))).await;
+    assert_eq!(forged.status, StatusCode::FORBIDDEN, "{forged:?}");
+    let done = within(h2(&format!("https://{HOST}"), Body::from(fields))).await;
+    assert_eq!(done.status, StatusCode::OK, "{done:?}");
+    assert!(text(&done).contains("Verdict recorded"), "{done:?}");
 }

@@ -426,6 +426,9 @@ async fn an_operator_settles_a_parked_payment_in_the_browser_and_the_retry_repla
     let answer =
         json!({"paymentId": "settled-by-operator", "status": "captured", "chargeId": charge_id})
             .to_string();
+    // The form presets nothing: the verdict and the status are chosen.
+    browser.click("#verdict-succeeded").await;
+    browser.type_into("#answer-status", "201").await;
     browser.type_into("#body", &answer).await;
     browser
         .type_into(

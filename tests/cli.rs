@@ -34,6 +34,7 @@ on_every_store!(
     a_held_record_is_refused,
     sweep_status_and_migrate,
     a_default_mode_record_is_rerun_by_deleting_it,
+    a_verdict_on_a_record_that_moved_since_show_is_refused,
 );
 
 #[derive(Debug)]
@@ -144,9 +145,14 @@ async fn list_show_resolve_and_the_retry_replays<DB: Store>() {
     ));
     std::fs::write(&body, r#"{"chargeId":"ch_operator"}"#).unwrap();
     let body_arg = body.display().to_string();
+    let (generation, parks) = (row["generation"].to_string(), row["parks"].to_string());
     let mut resolve = vec!["resolve"];
     resolve.extend(scope("pay-1"));
     resolve.extend([
+        "--expect-generation",
+        &generation,
+        "--expect-parks",
+        &parks,
         "--succeeded",
         "--status",
         "201",
@@ -198,6 +204,10 @@ async fn refusals_exit_1_with_one_line<DB: Store>() {
     let (h, app) = pay_app::<DB>().await;
     let url = DB::url_of(&h.pool);
     park(&app, "pay-1").await;
+    let mut show = vec!["show", "--json"];
+    show.extend(scope("pay-1"));
+    let seen = cli(&url, &show).await.one_json();
+    let (generation, parks) = (seen["generation"].to_string(), seen["parks"].to_string());
     let mut rerun = vec![
         "resolve",
         "--rerun",
@@ -205,6 +215,10 @@ async fn refusals_exit_1_with_one_line<DB: Store>() {
         "provider shows no charge",
         "--actor",
         "bob",
+        "--expect-generation",
+        &generation,
+        "--expect-parks",
+        &parks,
     ];
     rerun.extend(scope("pay-1"));
     let first = cli(&url, &rerun).await;
@@ -222,12 +236,15 @@ async fn refusals_exit_1_with_one_line<DB: Store>() {
     let refused = cli(&url, &late).await;
     refused.assert_failed(1, "settled first");
     assert!(refused.stderr.contains("SUCCEEDED 201"), "{refused:?}");
+    // Bob's verdict was a rerun: the retry settled it, not Bob.
     assert!(
-        refused.stderr.contains("bob"),
-        "the last verdict's actor: {refused:?}"
+        refused.stderr.contains("settled first by the service"),
+        "{refused:?}"
     );
+    assert!(!refused.stderr.contains("bob"), "{refused:?}");
     let detail = refused.one_json();
     assert_eq!(detail["refused"], "settled");
+    assert_eq!(detail["settled_by"], Value::Null, "{detail}");
     assert_eq!(detail["record"]["status"], "SUCCEEDED");
     let mut dry = rerun.clone();
     dry.push("--dry-run");
@@ -284,19 +301,35 @@ async fn a_held_record_is_refused<DB: Store>() {
     let mut show = vec!["show", "--json"];
     show.extend(scope("pay-1"));
     let start = Instant::now();
-    loop {
+    let seen = loop {
         let out = cli(&url, &show).await;
         if out.code == 0 && out.one_json()["pending_step"] == "charge" {
-            break;
+            break out.one_json();
         }
         assert!(
             start.elapsed() < Duration::from_secs(3),
             "the step is pending: {out:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut rerun = vec!["resolve", "--rerun", "--reason", "impatient"];
+    };
+    let (generation, parks) = (seen["generation"].to_string(), seen["parks"].to_string());
+    let mut rerun = vec![
+        "resolve",
+        "--rerun",
+        "--reason",
+        "impatient",
+        "--expect-generation",
+        &generation,
+        "--expect-parks",
+        &parks,
+    ];
     rerun.extend(scope("pay-1"));
+    // A dry run makes the same check as the verdict.
+    let mut dry = rerun.clone();
+    dry.push("--dry-run");
+    cli(&url, &dry)
+        .await
+        .assert_failed(1, "holds the record's lease");
     cli(&url, &rerun)
         .await
         .assert_failed(1, "holds the record's lease");
@@ -416,4 +449,85 @@ async fn a_default_mode_record_is_rerun_by_deleting_it<DB: Store>() {
     let retry = send(&app, order(Some("alice"), Some("k-1"), r#"{"amount":1}"#)).await;
     assert_eq!(retry.status, 201, "runs afresh: {retry:?}");
     assert!(!retry.replayed());
+}
+
+/// Two operators look at one parked record. Alice reruns it (it becomes
+/// `PROCESSING` at the next generation, its lease lapsed); Bob, from the
+/// same earlier `show`, records it succeeded: refused, nothing written,
+/// one line saying what the record is now. A lease-mode record cannot be
+/// resolved without naming it as seen.
+async fn a_verdict_on_a_record_that_moved_since_show_is_refused<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    let url = DB::url_of(&h.pool);
+    park(&app, "pay-1").await;
+    let mut show = vec!["show", "--json"];
+    show.extend(scope("pay-1"));
+    let seen = cli(&url, &show).await.one_json();
+    let generation = seen["generation"].as_i64().unwrap();
+    let parks = seen["parks"].as_i64().unwrap();
+    let claim = seen["claim_id"].as_str().unwrap().to_string();
+    let (g, p) = (generation.to_string(), parks.to_string());
+    let mut show_text = vec!["show"];
+    show_text.extend(scope("pay-1"));
+    let text = cli(&url, &show_text).await;
+    for line in [
+        format!("generation:      {g}"),
+        format!("parks:           {p}"),
+        format!("claim id:        {claim}"),
+        format!("--expect-generation {g} --expect-parks {p}"),
+    ] {
+        assert!(text.stdout.contains(&line), "{line:?} in {text:?}");
+    }
+
+    // Alice reruns it, as she saw it.
+    let mut alice = vec![
+        "resolve",
+        "--rerun",
+        "--reason",
+        "provider shows no charge",
+        "--actor",
+        "alice",
+        "--expect-generation",
+        &g,
+        "--expect-parks",
+        &p,
+        "--expect-claim",
+        &claim,
+    ];
+    alice.extend(scope("pay-1"));
+    let done = cli(&url, &alice).await;
+    assert_eq!(done.code, 0, "{done:?}");
+    assert!(done.stdout.contains("PROCESSING"), "{done:?}");
+
+    // Bob, from the same show: refused, with what the record is now.
+    let mut bob = vec![
+        "resolve",
+        "--succeeded",
+        "--status",
+        "201",
+        "--reason",
+        "provider shows a charge",
+        "--actor",
+        "bob",
+    ];
+    bob.extend(scope("pay-1"));
+    let mut stale = bob.clone();
+    stale.extend(["--expect-generation", &g, "--expect-parks", &p]);
+    let now = format!("PROCESSING, generation {}", generation + 1);
+    let refused = cli(&url, &stale).await;
+    refused.assert_failed(1, &now);
+    assert!(refused.stderr.contains("moved"), "{refused:?}");
+    let mut dry = stale.clone();
+    dry.push("--dry-run");
+    cli(&url, &dry).await.assert_failed(1, &now);
+    // Not naming the record as seen: bad usage, for a lease-mode record.
+    cli(&url, &bob)
+        .await
+        .assert_failed(2, "--expect-generation");
+
+    let row = cli(&url, &show).await.one_json();
+    assert_eq!(row["status"], "PROCESSING", "{row}");
+    let audit = row["audit"].as_array().unwrap();
+    assert_eq!(audit.len(), 1, "only Alice's verdict: {row}");
+    assert_eq!(audit[0]["actor"], "alice");
 }

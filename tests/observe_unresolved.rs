@@ -67,4 +67,22 @@ async fn a_sweeper_pass_refreshes_the_unresolved_gauges() {
     let (records, age) = gauges(&snapshotter);
     assert_eq!(records, Some(1.0));
     assert!(age.is_some_and(|a| (0.0..1.0).contains(&a)), "{age:?}");
+
+    // Rerun: PROCESSING, its lease lapsed, nothing pending; nobody
+    // retries. A sweeper configured with a short stranded age counts it.
+    let by = Attribution::new("alice", "provider shows no charge").unwrap();
+    let record = ledger.unresolved(10).await.unwrap().remove(0);
+    ledger
+        .resolve(&record, Resolution::Rerun, &by)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sweeper.sweep().await.unwrap();
+    assert_eq!(gauges(&snapshotter).0, Some(0.0), "the default hour");
+    Sweeper::new(h.pool.clone())
+        .with_stranded_after(Duration::from_millis(100))
+        .sweep()
+        .await
+        .unwrap();
+    assert_eq!(gauges(&snapshotter).0, Some(1.0), "stranded after 100 ms");
 }

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::{Attribution, AuditEntry, LedgerRow, Resolved, human_age, step_key};
+use super::{Attribution, AuditEntry, LedgerRow, MAX_ACTOR_LEN, Resolved, human_age, step_key};
 use crate::store::UnresolvedRecord;
 
 /// Escapes text for HTML element content and quoted attribute values.
@@ -198,8 +198,15 @@ fn trail(entries: &[AuditEntry]) -> String {
     t
 }
 
-/// One record, its audit trail, and (when unsettled) the form that settles it.
-pub(crate) fn record(base: Base<'_>, row: &LedgerRow, entries: &[AuditEntry]) -> String {
+/// One record, its audit trail, and (when unsettled) the form that settles
+/// it. `actor`: the operator the authentication layer named; without one
+/// the form asks who resolves.
+pub(crate) fn record(
+    base: Base<'_>,
+    row: &LedgerRow,
+    entries: &[AuditEntry],
+    actor: Option<&str>,
+) -> String {
     let mut body = format!("<h1>Record <code>{}</code></h1>", esc(&row.key));
     body.push_str(&fields(row));
     body.push_str("<h2>Audit trail</h2>");
@@ -212,24 +219,35 @@ pub(crate) fn record(base: Base<'_>, row: &LedgerRow, entries: &[AuditEntry]) ->
                 esc(value)
             )
         };
+        let who = match actor {
+            Some(a) => format!(
+                "<p class=\"note\">Recorded as <strong>{}</strong>.</p>",
+                esc(a)
+            ),
+            None => format!(
+                "<label for=\"actor\">Your name (recorded in the audit trail)</label>\
+                 <input type=\"text\" id=\"actor\" name=\"actor\" required maxlength=\"{MAX_ACTOR_LEN}\">"
+            ),
+        };
         let _ = write!(
             body,
             "<h2>Settle it</h2><form class=\"box\" method=\"post\" action=\"{}\">{}{}{}{}{}{}\
              <p class=\"note\">Check the provider with the step key first. The verdict applies to the \
              record as shown here: if it changes meanwhile, the verdict is refused.</p>\
-             <label><input type=\"radio\" name=\"verdict\" value=\"succeeded\" checked> Succeeded: \
-             retries replay this answer</label>\
-             <label><input type=\"radio\" name=\"verdict\" value=\"failed\"> Failed for good: \
-             retries replay this answer</label>\
-             <label><input type=\"radio\" name=\"verdict\" value=\"rerun\"> Nothing took effect: \
-             the next retry runs it again</label>\
-             <label for=\"answer-status\">Answer status</label><input type=\"number\" id=\"answer-status\" \
-             name=\"status\" value=\"201\" min=\"200\" max=\"599\">\
+             <label><input type=\"radio\" name=\"verdict\" id=\"verdict-succeeded\" value=\"succeeded\" \
+             required> Succeeded: retries replay this answer</label>\
+             <label><input type=\"radio\" name=\"verdict\" id=\"verdict-failed\" value=\"failed\"> \
+             Failed for good: retries replay this answer</label>\
+             <label><input type=\"radio\" name=\"verdict\" id=\"verdict-rerun\" value=\"rerun\"> \
+             Nothing took effect: the next retry runs it again</label>\
+             <label for=\"answer-status\">Answer status (succeeded or failed)</label>\
+             <input type=\"number\" id=\"answer-status\" name=\"status\" min=\"200\" max=\"599\">\
              <label for=\"content_type\">Answer content type</label><input type=\"text\" \
              id=\"content_type\" name=\"content_type\" value=\"application/json\">\
-             <label for=\"body\">Answer body</label><textarea id=\"body\" name=\"body\"></textarea>\
+             <label for=\"body\">Answer body (succeeded or failed)</label>\
+             <textarea id=\"body\" name=\"body\"></textarea>\
              <label for=\"reason\">Reason (recorded in the audit trail)</label>\
-             <textarea id=\"reason\" name=\"reason\" required></textarea>\
+             <textarea id=\"reason\" name=\"reason\" required></textarea>{}\
              <button type=\"submit\" id=\"resolve\">Record the verdict</button></form>",
             base.path("resolve"),
             hidden("principal", &r.principal),
@@ -238,6 +256,7 @@ pub(crate) fn record(base: Base<'_>, row: &LedgerRow, entries: &[AuditEntry]) ->
             hidden("generation", &r.generation.to_string()),
             hidden("claim_id", r.claim_id.as_deref().unwrap_or("")),
             hidden("parks", &r.parks.to_string()),
+            who,
         );
     }
     page(base, "Record", &body)

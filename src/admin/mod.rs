@@ -68,7 +68,7 @@ use std::time::Duration;
 use sqlx::Pool;
 
 pub use audit::{Attribution, AttributionError, AuditEntry, MAX_ACTOR_LEN, MAX_REASON_LEN};
-pub use record::{LedgerRow, Lookup};
+pub use record::{LedgerRow, Lookup, Seen};
 #[cfg(feature = "admin")]
 pub use router::{Actor, MAX_FORM_BYTES, router};
 pub use status::{DiskSize, LedgerStatus, StatusCount, SweepPreview};
@@ -102,6 +102,22 @@ pub fn unresolved_json(record: &UnresolvedRecord, now: i64) -> serde_json::Value
 /// The step key of `record`'s pending step, when it has one (lease mode).
 pub fn step_key(record: &UnresolvedRecord) -> Option<crate::lease::StepKey> {
     crate::lease::StepKey::of(record, record.pending_step.as_deref()?)
+}
+
+/// Who settled `row`, by its audit trail (oldest first, as
+/// [`Ledger::audit`] returns it): the operator whose latest verdict is the
+/// `succeeded` or `failed` answer the record now carries. `None` when the
+/// service settled it (a client's retry or the completer): no verdict, a
+/// rerun last, or a last verdict that does not match the record now.
+pub fn settled_by<'a>(row: &LedgerRow, trail: &'a [AuditEntry]) -> Option<&'a AuditEntry> {
+    use crate::store::RecordStatus;
+    let last = trail.last()?;
+    let matches = match row.status {
+        RecordStatus::Succeeded => last.verdict == "succeeded",
+        RecordStatus::FailedFinal => last.verdict == "failed",
+        _ => false,
+    };
+    (matches && last.response_status == row.response_status).then_some(last)
 }
 
 /// An age in milliseconds for people: `850ms`, `42s`, `17m 3s`, `5h 2m`,
@@ -192,10 +208,11 @@ impl<DB: AdminBackend> Ledger<DB> {
         Ok(None)
     }
 
-    /// The record's audit trail, oldest first (at most [`MAX_TRAIL`]):
-    /// committed verdicts only, each written with its verdict, so the last
-    /// entry is the verdict the record carries (unless the service settled
-    /// it since, or it was rerun and ran again).
+    /// The record's audit trail, oldest first: its newest [`MAX_TRAIL`]
+    /// entries (so the last entry is the newest verdict), committed
+    /// verdicts only, each written with its verdict. The last entry is not
+    /// always the verdict the record carries: after a rerun, the service
+    /// (a retry or the completer) settles it; see [`settled_by`].
     pub async fn audit(&self, scope: &Scope<'_>) -> Result<Vec<AuditEntry>, sqlx::Error> {
         DB::audit_trail(&self.pool, scope, i64::from(MAX_TRAIL)).await
     }
@@ -229,6 +246,12 @@ impl<DB: AdminBackend> Ledger<DB> {
     /// ([`ResolveError::Gone`]), else [`resolve`](Self::resolve)s it as read
     /// (so a completer pass or an attempt between the read and the verdict
     /// makes the verdict refused, never lost).
+    ///
+    /// "As it is now" is not as the operator saw it: a verdict decided on
+    /// an earlier look lands on whatever the record became meanwhile
+    /// (another operator's rerun, say). The CLI and the console settle
+    /// lease-mode records through [`resolve_seen`](Self::resolve_seen)
+    /// only.
     pub async fn resolve_lookup(
         &self,
         lookup: &Lookup,
@@ -238,19 +261,59 @@ impl<DB: AdminBackend> Ledger<DB> {
         let Some(before) = self.show(lookup).await? else {
             return Err(ResolveError::Gone);
         };
-        let Some(record) = before.as_unresolved() else {
+        let seen = Seen::of(&before);
+        self.resolve_read(before, &seen, resolution, by).await
+    }
+
+    /// Settles the record `lookup` names, as the operator saw it (`seen`:
+    /// its generation, parks and claim id as [`show`](Self::show) read
+    /// them): the verdict is fenced on those, as on a listed record
+    /// ([`resolve`](Self::resolve)), so it is refused
+    /// ([`ResolveError::Changed`], [`Held`](ResolveError::Held),
+    /// [`Settled`](ResolveError::Settled) or [`Gone`](ResolveError::Gone))
+    /// when the record moved on since: rerun by another operator, taken
+    /// over, parked again. (A completer pass that took a parked record and
+    /// gave it back unchanged moves its generation but not its parks; a
+    /// verdict on it still lands, as on a listed record.)
+    pub async fn resolve_seen(
+        &self,
+        lookup: &Lookup,
+        seen: &Seen,
+        resolution: Resolution,
+        by: &Attribution,
+    ) -> Result<Resolved, ResolveError> {
+        let Some(before) = self.show(lookup).await? else {
+            return Err(ResolveError::Gone);
+        };
+        self.resolve_read(before, seen, resolution, by).await
+    }
+
+    async fn resolve_read(
+        &self,
+        before: LedgerRow,
+        seen: &Seen,
+        resolution: Resolution,
+        by: &Attribution,
+    ) -> Result<Resolved, ResolveError> {
+        let Some(mut record) = before.as_unresolved() else {
             return Err(ResolveError::Settled {
                 status: before.status,
             });
         };
+        // The stored scope found, fenced as the operator saw it.
+        record.generation = seen.generation;
+        record.parks = seen.parks;
+        record.claim_id.clone_from(&seen.claim_id);
         self.resolve(&record, resolution, by).await?;
         let after = DB::row(&self.pool, &record.scope()).await?;
         Ok(Resolved { before, after })
     }
 
     /// The ledger at a glance: one scan of the table, and the lease index.
+    /// Its unresolved count is [`unresolved`](Self::unresolved)'s
+    /// definition, with this ledger's stranded age.
     pub async fn status(&self) -> Result<LedgerStatus, sqlx::Error> {
-        DB::status(&self.pool).await
+        DB::status(&self.pool, crate::expiry::millis(self.stranded_after)).await
     }
 
     /// What a [`Sweeper`](crate::Sweeper) pass would expire and purge now

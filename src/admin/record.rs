@@ -4,6 +4,7 @@ use std::borrow::Cow;
 
 use serde_json::{Value, json};
 
+use crate::ResolveError;
 use crate::store::{RecordStatus, Scope, UnresolvedRecord};
 
 /// Every column of one ledger row, as read (see [`Ledger::show`](super::Ledger::show)).
@@ -87,6 +88,79 @@ impl LedgerRow {
             locked_until: self.locked_until,
             parks: self.parks,
         })
+    }
+
+    /// Whether a verdict naming the record as `seen` would be recorded on
+    /// the row as read: the check the verdict's fenced write makes,
+    /// evaluated on this snapshot at its [`read_at`](Self::read_at) (what
+    /// a dry run reports). `Err` says why it would be refused, as the
+    /// write itself would.
+    pub fn admits(&self, seen: &Seen) -> Result<(), ResolveError> {
+        if self.is_settled() {
+            return Err(ResolveError::Settled {
+                status: self.status,
+            });
+        }
+        let (parked, processing) = (
+            self.status == RecordStatus::NeedsReconciliation,
+            self.status == RecordStatus::Processing,
+        );
+        if seen.generation == 0 {
+            return if self.generation == 0 && (parked || processing) {
+                Ok(())
+            } else {
+                Err(ResolveError::Changed {
+                    generation: self.generation,
+                })
+            };
+        }
+        if self.generation == 0 || self.claim_id != seen.claim_id {
+            return Err(ResolveError::Gone);
+        }
+        let lapsed = self.locked_until.is_none_or(|t| t <= self.read_at);
+        let no_call =
+            self.pending_step.is_none() || self.pending_until.is_none_or(|t| t <= self.read_at);
+        if parked && self.parks == seen.parks {
+            return Ok(());
+        }
+        if processing && self.generation == seen.generation && lapsed && no_call {
+            return Ok(());
+        }
+        if processing && !lapsed {
+            return Err(ResolveError::Held {
+                retry_after: std::time::Duration::from_millis(
+                    u64::try_from(self.locked_until.unwrap_or(0) - self.read_at).unwrap_or(0),
+                ),
+            });
+        }
+        Err(ResolveError::Changed {
+            generation: self.generation,
+        })
+    }
+
+    /// What the record is, in one line: its status, answer, generation,
+    /// parks and lease (for messages about a record that moved).
+    pub fn describe(&self) -> String {
+        let mut out = self.status.as_str().to_string();
+        if let Some(s) = self.response_status {
+            out.push_str(&format!(" {s}"));
+        }
+        if self.generation > 0 {
+            out.push_str(&format!(
+                ", generation {}, parks {}",
+                self.generation, self.parks
+            ));
+            if self.status == RecordStatus::Processing {
+                match self.locked_until {
+                    Some(t) if t > self.read_at => out.push_str(", leased (an attempt holds it)"),
+                    _ => out.push_str(", lease lapsed"),
+                }
+            }
+            if let Some(step) = &self.pending_step {
+                out.push_str(&format!(", step {step} pending"));
+            }
+        }
+        out
     }
 
     /// The recorded headers as `(name, value)` text pairs.
@@ -174,6 +248,38 @@ fn hex(bytes: &[u8]) -> String {
     crate::store::hex(bytes)
 }
 
+/// A record as an operator saw it (its generation, parks and claim id, as
+/// [`Ledger::show`](super::Ledger::show) read them): what a verdict names,
+/// so that it is refused if the record moved on since
+/// ([`Ledger::resolve_seen`](super::Ledger::resolve_seen)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Seen {
+    /// The fencing generation seen (0 for the default mode).
+    pub generation: i64,
+    /// How often the record had been parked.
+    pub parks: i64,
+    /// The claim id seen (`None` for the default mode).
+    pub claim_id: Option<String>,
+}
+
+impl Seen {
+    /// The record seen at `generation`, parked `parks` times, of the claim
+    /// `claim_id`.
+    pub fn new(generation: i64, parks: i64, claim_id: Option<String>) -> Self {
+        Self {
+            generation,
+            parks,
+            claim_id,
+        }
+    }
+
+    /// `row` as read.
+    pub fn of(row: &LedgerRow) -> Self {
+        Self::new(row.generation, row.parks, row.claim_id.clone())
+    }
+}
+
 /// How an operator names a record: its scope as the client sent it, or as
 /// the ledger stores it (the `sha256:…` form that listings print).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -187,7 +293,9 @@ impl Lookup {
     /// The record of `(principal, operation, key)`. [`Ledger::show`](super::Ledger::show)
     /// tries each value as given (the stored form a listing prints), then
     /// as the layer stores it (long values, and every key with
-    /// `with_hashed_keys`, as `sha256:…`).
+    /// `with_hashed_keys`, as `sha256:…`). A key in double quotes is also
+    /// tried as the `Idempotency-Key` header's Structured Field String
+    /// (`"…"`, as a client sends it), unquoted as the layer stores it.
     pub fn new(
         principal: impl Into<String>,
         operation: impl Into<String>,
@@ -201,7 +309,7 @@ impl Lookup {
     }
 
     /// The stored scopes this lookup may name, most literal first, without
-    /// repeats (at most twelve, usually two).
+    /// repeats (at most twenty-four, usually two).
     pub(crate) fn candidates(&self) -> Vec<(String, String, String)> {
         let forms = |v: &str, op: bool| -> Vec<String> {
             let stored: Cow<'_, str> = if op {
@@ -217,7 +325,19 @@ impl Lookup {
             }
             out
         };
-        let keys = forms(&self.key, false);
+        let mut keys = forms(&self.key, false);
+        // The key as sent on the wire: a Structured Field String (`"…"`)
+        // names the key the layer stored unquoted.
+        if self.key.trim_start().starts_with('"')
+            && let Ok(parsed) =
+                crate::key::IdempotencyKey::parse(self.key.as_bytes(), crate::key::KeyMode::Strict)
+        {
+            for f in forms(parsed.as_str(), false) {
+                if !keys.contains(&f) {
+                    keys.push(f);
+                }
+            }
+        }
         let mut out = Vec::new();
         for p in forms(&self.principal, false).into_iter().take(2) {
             for o in forms(&self.operation, true).into_iter().take(2) {

@@ -1,9 +1,10 @@
 //! The operators' console: [`router`], JSON routes and a small
 //! server-rendered HTML page over a [`Ledger`].
 
+use axum::extract::FromRequest;
 use axum::extract::rejection::{FormRejection, JsonRejection, NestedPathRejection};
 use axum::extract::{DefaultBodyLimit, NestedPath, Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Form, Json, Router};
@@ -12,8 +13,9 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::html;
-use super::{AdminBackend, Attribution, Ledger, LedgerRow, Lookup, Resolved, unresolved_json};
-use crate::store::UnresolvedRecord;
+use super::{
+    AdminBackend, Attribution, Ledger, LedgerRow, Lookup, Resolved, Seen, unresolved_json,
+};
 use crate::{Resolution, ResolveError};
 
 /// The largest request body the console reads (a resolution with its
@@ -25,8 +27,9 @@ const DEFAULT_LIST: u32 = 100;
 
 /// The operator a request acts for, put in the request extensions by the
 /// application's authentication layer. Verdicts are recorded as theirs;
-/// without it, a resolution must name its `actor` itself (the field is
-/// then the operator's word, not a proof).
+/// without it, a resolution must name its `actor` itself (the record page
+/// then asks for it; the field is the operator's word, not a proof, and is
+/// checked as [`Attribution::new`] checks it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Actor(pub String);
 
@@ -40,7 +43,7 @@ pub struct Actor(pub String);
 /// | `POST /resolve` | HTML form post: settles it, answers a confirmation page (`409` when refused) |
 /// | `GET /api/unresolved?limit=N` | JSON: `{"records": […]}` (at most [`MAX_LIST`](super::MAX_LIST)) |
 /// | `GET /api/record?principal=…&operation=…&key=…` | JSON: the record and its audit trail (`404` when none) |
-/// | `POST /api/resolve` | JSON: settles a record (`409` with the reason when refused) |
+/// | `POST /api/resolve` | JSON: settles a record as seen (`generation`, `parks`, `claim_id` as `/api/record` showed them; required for a lease-mode record, `400` without); `409` with the reason when refused |
 /// | `GET /api/status` | JSON: [`LedgerStatus`](super::LedgerStatus) |
 ///
 /// # Authentication
@@ -78,8 +81,9 @@ pub struct Actor(pub String);
 ///
 /// Every `POST` must come from the console's own origin: its `Origin`
 /// header (or, without one, its `Referer`) must name the same host and
-/// port as its `Host` header, else it is refused `403` before its body is
-/// read. Browsers send `Origin` on every cross-site `POST`, and a page on
+/// port as its `Host` header (or, without one, as HTTP/2 requests come,
+/// the request's `:authority`), else it is refused `403` before its body
+/// is read. Browsers send `Origin` on every cross-site `POST`, and a page on
 /// another site cannot forge it. A request with neither header is
 /// accepted only as `application/json` (a script or `curl`): a browser
 /// sends JSON across origins only after a CORS preflight, which this
@@ -166,7 +170,9 @@ struct ResolveJson {
     #[serde(default)]
     reason: String,
     actor: Option<String>,
-    /// The record as seen (all three, or none: then as it is now).
+    /// The record as seen (generation and parks, with claim_id when it
+    /// has one). Required for a lease-mode record (generation > 0); a
+    /// default-mode one without them is taken as it is now.
     generation: Option<i64>,
     claim_id: Option<String>,
     parks: Option<i64>,
@@ -226,18 +232,19 @@ impl Refusal {
 
 /// The CSRF defence (see [`router`]): `Ok` when the request comes from
 /// the console's own origin, or is JSON with neither `Origin` nor
-/// `Referer`.
-fn same_origin(headers: &HeaderMap, json_body: bool) -> Result<(), Refusal> {
+/// `Referer`. The console's host is the `Host` header, or without one
+/// (HTTP/2 sends `:authority` instead) the request URI's authority.
+fn same_origin(headers: &HeaderMap, uri: &Uri, json_body: bool) -> Result<(), Refusal> {
     let forbidden = |message: &str| Refusal {
         status: StatusCode::FORBIDDEN,
         kind: "cross_origin",
         message: message.to_string(),
         record: None,
     };
-    let host = headers
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .map(|h| h.trim().to_ascii_lowercase());
+    let host = match headers.get(header::HOST) {
+        Some(h) => h.to_str().ok().map(|h| h.trim().to_ascii_lowercase()),
+        None => uri.authority().map(|a| a.as_str().to_ascii_lowercase()),
+    };
     let source = headers
         .get(header::ORIGIN)
         .or_else(|| headers.get(header::REFERER))
@@ -332,6 +339,25 @@ impl Request {
     }
 
     fn from_form(f: ResolveForm, actor: Option<&Actor>) -> Result<Self, Refusal> {
+        // The form presets no verdict and no answer: each must be chosen.
+        match f.verdict.trim() {
+            "" => {
+                return Err(Refusal::bad("choose a verdict: succeeded, failed or rerun"));
+            }
+            "succeeded" | "failed" => {
+                if f.status.trim().is_empty() {
+                    return Err(Refusal::bad(
+                        "a succeeded or failed verdict needs the answer's status",
+                    ));
+                }
+                if f.body.trim().is_empty() {
+                    return Err(Refusal::bad(
+                        "a succeeded or failed verdict needs the answer's body (what retries will replay)",
+                    ));
+                }
+            }
+            _ => {}
+        }
         let status = match f.status.trim() {
             "" => None,
             s => Some(
@@ -396,40 +422,30 @@ async fn carry_out<DB: AdminBackend>(
         seen,
     } = req;
     let outcome = match seen {
-        None => ledger.resolve_lookup(&lookup, resolution, &by).await,
         Some((generation, claim_id, parks)) => {
-            match ledger.show(&lookup).await {
-                Err(e) => Err(ResolveError::Store(e)),
-                Ok(None) => Err(ResolveError::Gone),
-                Ok(Some(before)) if before.is_settled() => Err(ResolveError::Settled {
-                    status: before.status,
-                }),
-                Ok(Some(before)) => {
-                    // The stored scope found, fenced as the operator saw it.
-                    let record = UnresolvedRecord {
-                        principal: before.principal.clone(),
-                        operation: before.operation.clone(),
-                        key: before.key.clone(),
-                        status: before.status,
-                        response_status: before.response_status,
-                        created_at: before.created_at,
-                        generation,
-                        pending_step: before.pending_step.clone(),
-                        recovery_point: before.recovery_point.clone(),
-                        claim_id,
-                        locked_until: before.locked_until,
-                        parks,
-                    };
-                    match ledger.resolve(&record, resolution, &by).await {
-                        Ok(()) => match ledger.show(&lookup).await {
-                            Ok(after) => Ok(Resolved { before, after }),
-                            Err(e) => Err(ResolveError::Store(e)),
-                        },
-                        Err(e) => Err(e),
-                    }
-                }
-            }
+            let seen = Seen::new(generation, parks, claim_id);
+            ledger.resolve_seen(&lookup, &seen, resolution, &by).await
         }
+        // Not named as seen: allowed for a default-mode record only (its
+        // fence is its status); a lease-mode one moves on (reruns, parks,
+        // takeovers) and a verdict must name the state it was decided on.
+        None => match ledger.show(&lookup).await {
+            Err(e) => Err(ResolveError::Store(e)),
+            Ok(None) => Err(ResolveError::Gone),
+            Ok(Some(row)) if row.is_settled() => Err(ResolveError::Settled { status: row.status }),
+            Ok(Some(row)) if row.generation > 0 => {
+                return Err(Refusal::bad(format!(
+                    "the record is in lease mode (it is {} now): name it as seen, with the \
+                     generation, parks and claim_id the record showed",
+                    row.describe()
+                )));
+            }
+            Ok(Some(row)) => {
+                ledger
+                    .resolve_seen(&lookup, &Seen::of(&row), resolution, &by)
+                    .await
+            }
+        },
     };
     match outcome {
         Ok(done) => Ok(done),
@@ -444,14 +460,10 @@ async fn carry_out<DB: AdminBackend>(
             let record = ledger.show(&lookup).await.ok().flatten();
             let message = match (&e, &record) {
                 (ResolveError::Settled { .. }, Some(now)) => {
-                    let who = match ledger
-                        .audit(&row_scope(now))
-                        .await
-                        .ok()
-                        .and_then(|t| t.into_iter().last())
-                    {
+                    let trail = ledger.audit(&row_scope(now)).await.unwrap_or_default();
+                    let who = match super::settled_by(now, &trail) {
                         Some(last) => format!("{} ({})", last.actor, last.reason),
-                        None => "the service (a client's retry or the completer)".to_string(),
+                        None => "the service (a retry or the completer)".to_string(),
                     };
                     format!(
                         "the record was settled first by {who}; it is {} now",
@@ -461,6 +473,10 @@ async fn carry_out<DB: AdminBackend>(
                         }
                     )
                 }
+                (ResolveError::Changed { .. } | ResolveError::Held { .. }, Some(now)) => format!(
+                    "{e}; the record moved since it was seen: it is {} now",
+                    now.describe()
+                ),
                 _ => e.to_string(),
             };
             Err(Refusal {
@@ -538,12 +554,13 @@ async fn api_status<DB: AdminBackend>(State(ledger): State<Ledger<DB>>) -> Respo
 async fn api_resolve<DB: AdminBackend>(
     State(ledger): State<Ledger<DB>>,
     actor: Option<Extension<Actor>>,
-    headers: HeaderMap,
-    body: Result<Json<ResolveJson>, JsonRejection>,
+    req: axum::extract::Request,
 ) -> Response {
-    if let Err(refused) = same_origin(&headers, is_json(&headers)) {
+    // Checked before the body is read.
+    if let Err(refused) = same_origin(req.headers(), req.uri(), is_json(req.headers())) {
         return refused.json();
     }
+    let body: Result<Json<ResolveJson>, JsonRejection> = Json::from_request(req, &()).await;
     let Json(body) = match body {
         Ok(body) => body,
         Err(e) => {
@@ -597,12 +614,14 @@ async fn page_list<DB: AdminBackend>(
 async fn page_record<DB: AdminBackend>(
     State(ledger): State<Ledger<DB>>,
     nested: Result<NestedPath, NestedPathRejection>,
+    actor: Option<Extension<Actor>>,
     Query(q): Query<ScopeQuery>,
 ) -> Response {
     let base = html::Base(prefix(&nested));
+    let actor = actor.as_deref().map(|Actor(a)| a.as_str());
     match ledger.show(&q.lookup()).await {
         Ok(Some(row)) => match ledger.audit(&row_scope(&row)).await {
-            Ok(trail) => Html(html::record(base, &row, &trail)).into_response(),
+            Ok(trail) => Html(html::record(base, &row, &trail, actor)).into_response(),
             Err(e) => Refusal::store(&e).html(base),
         },
         Ok(None) => Refusal {
@@ -620,13 +639,14 @@ async fn page_resolve<DB: AdminBackend>(
     State(ledger): State<Ledger<DB>>,
     nested: Result<NestedPath, NestedPathRejection>,
     actor: Option<Extension<Actor>>,
-    headers: HeaderMap,
-    form: Result<Form<ResolveForm>, FormRejection>,
+    req: axum::extract::Request,
 ) -> Response {
     let base = html::Base(prefix(&nested));
-    if let Err(refused) = same_origin(&headers, false) {
+    // Checked before the body is read.
+    if let Err(refused) = same_origin(req.headers(), req.uri(), false) {
         return refused.html(base);
     }
+    let form: Result<Form<ResolveForm>, FormRejection> = Form::from_request(req, &()).await;
     let Form(form) = match form {
         Ok(form) => form,
         Err(e) => {

@@ -52,7 +52,7 @@ pub struct LedgerStatus {
     /// Lease-mode `PROCESSING` rows whose lease has lapsed.
     pub leased_past_lease: i64,
     /// Records whose outcome is not settled (the operators' listing, with
-    /// the default stranded age).
+    /// the ledger's stranded age, [`Ledger::with_stranded_after`](super::Ledger::with_stranded_after)).
     pub unresolved: i64,
     /// The oldest of them's `created_at`, epoch ms.
     pub oldest_unresolved: Option<i64>,

@@ -16,7 +16,8 @@ use sqlx::mysql::MySqlPoolOptions;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use tower_idempotency::admin::{
-    AdminBackend, Attribution, Ledger, LedgerRow, Lookup, human_age, step_key, unresolved_json,
+    AdminBackend, Attribution, Ledger, LedgerRow, Lookup, Seen, human_age, settled_by, step_key,
+    unresolved_json,
 };
 use tower_idempotency::{Resolution, ResolveError, Sweeper};
 
@@ -42,7 +43,12 @@ enum Command {
     Migrate,
     /// Rows by status and operation, the oldest PROCESSING row, parked and
     /// stranded rows, tombstones, size on disk.
-    Status,
+    Status {
+        /// Count lapsed leases with nothing pending as unresolved after
+        /// this many seconds (as `unresolved --stranded-after`).
+        #[arg(long, value_name = "SECONDS")]
+        stranded_after: Option<u64>,
+    },
     /// Every record whose outcome is not settled, oldest first.
     Unresolved {
         /// The most records to list (1 to 1000).
@@ -54,8 +60,12 @@ enum Command {
     },
     /// One record, with its recorded answer and its audit trail.
     Show(ScopeArgs),
-    /// Settle one record: --succeeded or --failed with the answer retries
-    /// will replay, or --rerun; --reason is required.
+    /// Settle one record as you saw it: --succeeded or --failed with the
+    /// answer retries will replay, or --rerun; --reason is required. A
+    /// lease-mode record (generation > 0) must be named as `show` printed
+    /// it, --expect-generation N --expect-parks P: the verdict is refused
+    /// (exit 1) if it moved on since (rerun by someone else, taken over,
+    /// parked again).
     Resolve(ResolveArgs),
     /// One sweeper pass: expire terminal rows past retention, purge old
     /// tombstones.
@@ -74,7 +84,8 @@ struct ScopeArgs {
     /// The operation, such as "POST /payments".
     #[arg(long)]
     operation: String,
-    /// The key, as the client sent it, or the stored sha256:… form.
+    /// The key, as the client sent it (bare, or the header's quoted
+    /// "…" form), or the stored sha256:… form.
     #[arg(long)]
     key: String,
 }
@@ -109,7 +120,20 @@ struct ResolveArgs {
     /// Who: recorded in the audit trail. Defaults to $USER (or $LOGNAME).
     #[arg(long)]
     actor: Option<String>,
-    /// Say what would be done; change nothing.
+    /// The record's generation as `show` printed it. Required (with
+    /// --expect-parks) for a lease-mode record, one whose generation is
+    /// above 0; a default-mode record without it is taken as it is now.
+    #[arg(long, value_name = "N", requires = "expect_parks")]
+    expect_generation: Option<i64>,
+    /// How often the record had been parked, as `show` printed it.
+    #[arg(long, value_name = "P", requires = "expect_generation")]
+    expect_parks: Option<i64>,
+    /// The record's claim id as `show` printed it (default: the claim id
+    /// it has now).
+    #[arg(long, value_name = "ID", requires = "expect_generation")]
+    expect_claim: Option<String>,
+    /// Say what would be done, after the same checks as the verdict
+    /// itself; change nothing.
     #[arg(long)]
     dry_run: bool,
 }
@@ -246,7 +270,13 @@ async fn run<DB: AdminBackend>(pool: Pool<DB>, cli: Cli) -> Outcome {
     let json = cli.json;
     match cli.command {
         Command::Migrate => migrate(&ledger, json).await,
-        Command::Status => status(&ledger, json).await,
+        Command::Status { stranded_after } => {
+            let ledger = match stranded_after {
+                Some(s) => ledger.with_stranded_after(Duration::from_secs(s)),
+                None => ledger,
+            };
+            status(&ledger, json).await
+        }
         Command::Unresolved {
             limit,
             stranded_after,
@@ -445,8 +475,13 @@ fn print_row(row: &LedgerRow) {
         human_age(row.age_ms())
     );
     println!("expires:         {}", time(row.expires_at));
+    println!("generation:      {}", row.generation);
+    println!("parks:           {}", row.parks);
+    println!(
+        "claim id:        {}",
+        row.claim_id.as_deref().unwrap_or("-")
+    );
     if row.generation > 0 {
-        println!("generation:      {}", row.generation);
         println!(
             "pending step:    {}",
             row.pending_step.as_deref().unwrap_or("-")
@@ -458,7 +493,6 @@ fn print_row(row: &LedgerRow) {
             "recovery point:  {}",
             row.recovery_point.as_deref().unwrap_or("-")
         );
-        println!("parks:           {}", row.parks);
         if let Some(t) = row.locked_until {
             println!("locked until:    {}", time(t));
         }
@@ -476,6 +510,16 @@ fn print_row(row: &LedgerRow) {
     }
     if let Some(id) = &row.resource_id {
         println!("resource id:     {id}");
+    }
+    if row.generation > 0 && !row.is_settled() {
+        println!(
+            "resolve with:    --expect-generation {} --expect-parks {}{}",
+            row.generation,
+            row.parks,
+            row.claim_id
+                .as_deref()
+                .map_or_else(String::new, |c| format!(" --expect-claim {c}"))
+        );
     }
 }
 
@@ -502,12 +546,30 @@ async fn resolve<DB: AdminBackend>(ledger: &Ledger<DB>, args: ResolveArgs, json:
             args.status.unwrap_or_default()
         )
     };
+    let Some(row) = ledger.show(&lookup).await.map_err(store)? else {
+        return Err(not_found(&args.scope));
+    };
+    if row.is_settled() {
+        return Err(settled(ledger, &row).await);
+    }
+    let seen = match (args.expect_generation, args.expect_parks) {
+        (Some(generation), Some(parks)) => Seen::new(
+            generation,
+            parks,
+            args.expect_claim.clone().or_else(|| row.claim_id.clone()),
+        ),
+        _ if row.generation > 0 => {
+            return Err(usage(format!(
+                "the record is in lease mode (it is {} now): name it as you saw it, with \
+                 --expect-generation and --expect-parks as `show` printed them",
+                row.describe()
+            )));
+        }
+        _ => Seen::of(&row),
+    };
     if args.dry_run {
-        let Some(row) = ledger.show(&lookup).await.map_err(store)? else {
-            return Err(not_found(&args.scope));
-        };
-        if row.is_settled() {
-            return Err(settled(ledger, &row).await);
+        if let Err(e) = row.admits(&seen) {
+            return Err(moved(ledger, &args.scope, &seen, e, Some(row)).await);
         }
         if json {
             println!(
@@ -516,18 +578,17 @@ async fn resolve<DB: AdminBackend>(ledger: &Ledger<DB>, args: ResolveArgs, json:
             );
         } else {
             println!(
-                "would record {verdict} on {} / {} / {} ({}, generation {}), as {}",
+                "would record {verdict} on {} / {} / {} ({}), as {}",
                 row.principal,
                 row.operation,
                 row.key,
-                row.status.as_str(),
-                row.generation,
+                row.describe(),
                 by.actor()
             );
         }
         return Ok(());
     }
-    match ledger.resolve_lookup(&lookup, resolution, &by).await {
+    match ledger.resolve_seen(&lookup, &seen, resolution, &by).await {
         Ok(done) => {
             let after = done.after.as_ref();
             if json {
@@ -565,19 +626,52 @@ async fn resolve<DB: AdminBackend>(ledger: &Ledger<DB>, args: ResolveArgs, json:
             }
             Ok(())
         }
-        Err(ResolveError::Gone) => Err(not_found(&args.scope)),
-        Err(ResolveError::Settled { .. }) => {
-            let Some(row) = ledger.show(&lookup).await.map_err(store)? else {
-                return Err(not_found(&args.scope));
-            };
-            Err(settled(ledger, &row).await)
-        }
         Err(ResolveError::Store(e)) => Err(store(e)),
-        Err(e) => Err(Failure::Refused(
-            format!("refused: {e}"),
-            Some(json!({"refused": refusal_kind(&e), "message": e.to_string()})),
-        )),
+        Err(e) => Err(moved(ledger, &args.scope, &seen, e, None).await),
     }
+}
+
+/// The refusal of a verdict on a record that is not as seen: what it is
+/// now (read again unless given).
+async fn moved<DB: AdminBackend>(
+    ledger: &Ledger<DB>,
+    scope: &ScopeArgs,
+    seen: &Seen,
+    e: ResolveError,
+    row: Option<LedgerRow>,
+) -> Failure {
+    let row = match row {
+        Some(row) => Some(row),
+        None => match ledger.show(&lookup(scope)).await {
+            Ok(row) => row,
+            Err(e) => return store(e),
+        },
+    };
+    let Some(row) = row else {
+        return not_found(scope);
+    };
+    if row.is_settled() {
+        return settled(ledger, &row).await;
+    }
+    let why = match &e {
+        ResolveError::Held { .. } => e.to_string(),
+        ResolveError::Gone => "the key was claimed afresh since it was seen".to_string(),
+        _ => format!(
+            "the record moved since it was seen (generation {}, parks {})",
+            seen.generation, seen.parks
+        ),
+    };
+    Failure::Refused(
+        format!(
+            "refused: {why}; it is {} now: show it again and decide on what it is now",
+            row.describe()
+        ),
+        Some(json!({
+            "refused": refusal_kind(&e),
+            "message": e.to_string(),
+            "record": row.to_json(),
+        })),
+    )
 }
 
 fn refusal_kind(e: &ResolveError) -> &'static str {
@@ -591,13 +685,10 @@ fn refusal_kind(e: &ResolveError) -> &'static str {
 }
 
 /// The refusal of a verdict on a settled record: what it is now and who
-/// settled it (the last operator's verdict, or the service itself).
+/// settled it (the operator whose verdict it carries, or the service).
 async fn settled<DB: AdminBackend>(ledger: &Ledger<DB>, row: &LedgerRow) -> Failure {
-    let last = ledger
-        .audit(&row_scope(row))
-        .await
-        .ok()
-        .and_then(|trail| trail.into_iter().last());
+    let trail = ledger.audit(&row_scope(row)).await.unwrap_or_default();
+    let last = settled_by(row, &trail);
     let now = match row.response_status {
         Some(s) => format!("{} {s}", row.status.as_str()),
         None => row.status.as_str().to_string(),
@@ -608,8 +699,7 @@ async fn settled<DB: AdminBackend>(ledger: &Ledger<DB>, row: &LedgerRow) -> Fail
             json!(e.actor),
         ),
         None => (
-            "the service (a client's retry or the completer; no operator verdict recorded)"
-                .to_string(),
+            "the service (a retry or the completer)".to_string(),
             Value::Null,
         ),
     };

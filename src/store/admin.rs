@@ -54,7 +54,7 @@ pub trait AdminBackend: Backend + sealed::Sealed {
         scope: &Scope<'_>,
     ) -> impl Future<Output = Result<Option<LedgerRow>, sqlx::Error>> + Send;
 
-    /// At most `limit` audit rows of a stored scope, oldest first.
+    /// The newest `limit` audit rows of a stored scope, oldest first.
     #[doc(hidden)]
     fn audit_trail(
         pool: &Pool<Self>,
@@ -62,9 +62,13 @@ pub trait AdminBackend: Backend + sealed::Sealed {
         limit: i64,
     ) -> impl Future<Output = Result<Vec<AuditEntry>, sqlx::Error>> + Send;
 
-    /// Rows by status and operation, leased rows past their lease, size.
+    /// Rows by status and operation, leased rows past their lease, size;
+    /// unresolved records with lapsed leases stranded after `stranded_ms`.
     #[doc(hidden)]
-    fn status(pool: &Pool<Self>) -> impl Future<Output = Result<LedgerStatus, sqlx::Error>> + Send;
+    fn status(
+        pool: &Pool<Self>,
+        stranded_ms: i64,
+    ) -> impl Future<Output = Result<LedgerStatus, sqlx::Error>> + Send;
 
     /// The database clock, epoch milliseconds.
     #[doc(hidden)]
@@ -125,7 +129,7 @@ impl Dialect {
         format!(
             "SELECT id, {}, {}, {}, {}, {}, verdict, response_status, recorded_at, {} \
              FROM tower_idempotency_audit WHERE principal_id = {} AND operation = {} \
-             AND idem_key = {} ORDER BY id LIMIT {limit}",
+             AND idem_key = {} ORDER BY id DESC LIMIT {limit}",
             (self.read_key)("principal_id"),
             (self.read_key)("operation"),
             (self.read_key)("idem_key"),
@@ -287,15 +291,22 @@ macro_rules! admin_backend {
                 limit: i64,
             ) -> Result<Vec<AuditEntry>, sqlx::Error> {
                 let d: &Dialect = &$dialect;
-                sqlx::raw_sql(AssertSqlSafe(d.audit_select(scope, limit)))
+                // Newest first in the statement (so the limit keeps the
+                // newest rows), oldest first in the answer.
+                let mut trail = sqlx::raw_sql(AssertSqlSafe(d.audit_select(scope, limit)))
                     .fetch_all(pool)
                     .await?
                     .iter()
                     .map(audit_entry)
-                    .collect()
+                    .collect::<Result<Vec<_>, _>>()?;
+                trail.reverse();
+                Ok(trail)
             }
 
-            async fn status(pool: &Pool<Self>) -> Result<LedgerStatus, sqlx::Error> {
+            async fn status(
+                pool: &Pool<Self>,
+                stranded_ms: i64,
+            ) -> Result<LedgerStatus, sqlx::Error> {
                 let d: &Dialect = &$dialect;
                 let groups = sqlx::raw_sql(AssertSqlSafe(d.status_groups()))
                     .fetch_all(pool)
@@ -315,11 +326,8 @@ macro_rules! admin_backend {
                 let leases = sqlx::raw_sql(AssertSqlSafe(d.status_leases(now)))
                     .fetch_one(pool)
                     .await?;
-                let (unresolved, oldest_unresolved, _) = <$db as Backend>::count_unresolved(
-                    pool,
-                    crate::expiry::millis(crate::DEFAULT_STRANDED_AFTER),
-                )
-                .await?;
+                let (unresolved, oldest_unresolved, _) =
+                    <$db as Backend>::count_unresolved(pool, stranded_ms).await?;
                 let size: Option<DiskSize> = {
                     let sql: &'static str = $size.0;
                     let estimate: bool = $size.1;
