@@ -179,7 +179,7 @@ impl<DB: Backend> Sweeper<DB> {
             }
         }
         #[cfg(feature = "metrics")]
-        crate::observe::unresolved_gauges(&self.pool, self.stranded_after).await;
+        crate::observe::unresolved_gauges(&self.pool, millis(self.stranded_after)).await;
         Ok(report)
     }
 

@@ -61,14 +61,11 @@ pub(crate) fn timing(field: &'static str, took: Duration) {
     }
 }
 
-/// Refreshes the unresolved-records gauges from the ledger in `pool`.
+/// Refreshes the unresolved-records gauges from the ledger in `pool`,
+/// counting lapsed leases as stranded after `stranded_ms`.
 #[cfg(feature = "metrics")]
-pub(crate) async fn unresolved_gauges<DB: crate::Backend>(
-    pool: &sqlx::Pool<DB>,
-    stranded_after: Duration,
-) {
-    let stranded = crate::expiry::millis(stranded_after);
-    match DB::count_unresolved(pool, stranded).await {
+pub(crate) async fn unresolved_gauges<DB: crate::Backend>(pool: &sqlx::Pool<DB>, stranded_ms: i64) {
+    match DB::count_unresolved(pool, stranded_ms).await {
         Ok((count, oldest, now)) => {
             metrics::gauge!("idempotency_unresolved_records").set(count as f64);
             let age_ms = oldest.map_or(0, |t| now.saturating_sub(t).max(0));
