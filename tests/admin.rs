@@ -2,6 +2,7 @@
 //! resolve with an audit row in the verdict's transaction, refusals, the
 //! status summary.
 
+#[macro_use]
 mod common;
 
 use std::time::Duration;
@@ -13,24 +14,6 @@ use tower_idempotency::store::RecordStatus;
 use tower_idempotency::testkit::lease::{Fault, payment};
 use tower_idempotency::testkit::send;
 use tower_idempotency::{Resolution, ResolveError};
-
-macro_rules! on_every_store {
-    ($($case:ident),+ $(,)?) => {
-        mod postgres {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $case() { super::$case::<sqlx::Postgres>().await })+
-        }
-        mod sqlite {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $case() { super::$case::<sqlx::Sqlite>().await })+
-        }
-        #[cfg(feature = "mysql")]
-        mod mysql {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $case() { super::$case::<sqlx::MySql>().await })+
-        }
-    };
-}
 
 on_every_store!(
     a_verdict_is_audited_and_the_retry_replays_it,

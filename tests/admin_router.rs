@@ -2,6 +2,7 @@
 //! pages (escaped), the form post and its confirmation, the refusal when
 //! someone settled first, the CSRF defence and the body limit.
 
+#[macro_use]
 mod common;
 
 use axum::Router;
@@ -12,24 +13,6 @@ use serde_json::json;
 use tower_idempotency::admin::{self, Actor, Ledger};
 use tower_idempotency::testkit::lease::payment;
 use tower_idempotency::testkit::{Answer, send};
-
-macro_rules! on_every_store {
-    ($($case:ident),+ $(,)?) => {
-        mod postgres {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $case() { super::$case::<sqlx::Postgres>().await })+
-        }
-        mod sqlite {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $case() { super::$case::<sqlx::Sqlite>().await })+
-        }
-        #[cfg(feature = "mysql")]
-        mod mysql {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $case() { super::$case::<sqlx::MySql>().await })+
-        }
-    };
-}
 
 on_every_store!(
     json_routes_list_show_resolve_and_refuse_when_settled,

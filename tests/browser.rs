@@ -24,7 +24,6 @@ use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tower_idempotency::testkit::ConformanceDb;
 
@@ -90,25 +89,6 @@ async fn http(
         Ok(Err(e)) => panic!("{path}: {e}"),
         Err(_) => panic!("{path}: no answer within {CALL:?}"),
     }
-}
-
-/// Starts an example and reads its address from its first line.
-async fn spawn_example(name: &str, args: &[&str], env: &[(&str, &str)]) -> (Child, String) {
-    let mut child = Command::new(common::example(name))
-        .args(args)
-        .envs(env.iter().copied())
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = tokio::time::timeout(START, lines.next_line())
-        .await
-        .unwrap_or_else(|_| panic!("{name} starts within {START:?}"))
-        .unwrap()
-        .unwrap_or_else(|| panic!("{name} printed no start-up line"));
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    (child, common::address(&line))
 }
 
 /// A chromedriver process and one headless Chromium session.
@@ -341,10 +321,10 @@ fn base64_decodes() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_operator_settles_a_parked_payment_in_the_browser_and_the_retry_replays_it() {
     let (_provider, provider) =
-        spawn_example("fake_provider", &["--addr", "127.0.0.1:0"], &[]).await;
+        common::start_example("fake_provider", &["--addr", "127.0.0.1:0"], &[]).await;
     let (url, _drop) = sqlx::Postgres::fresh_url().await;
     let provider_url = format!("http://{provider}");
-    let (_service, service) = spawn_example(
+    let (_service, service) = common::start_example(
         "payment_service",
         &[
             "--addr",

@@ -2,6 +2,7 @@
 //! database on every store: list, show, resolve (and each refusal), sweep,
 //! migrate, status; exit codes; JSON lines that parse.
 
+#[macro_use]
 mod common;
 
 use std::time::{Duration, Instant};
@@ -10,23 +11,6 @@ use common::ledger::{OPERATION, PAY, PAYER, Store, park, pay, pay_app};
 use serde_json::Value;
 use tower_idempotency::testkit::lease::{Fault, payment};
 use tower_idempotency::testkit::send;
-
-macro_rules! on_every_store {
-    ($($case:ident),+ $(,)?) => {
-        mod postgres {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $case() { super::$case::<sqlx::Postgres>().await })+
-        }
-        mod sqlite {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $case() { super::$case::<sqlx::Sqlite>().await })+
-        }
-        mod mysql {
-            $(#[tokio::test(flavor = "multi_thread")]
-            async fn $case() { super::$case::<sqlx::MySql>().await })+
-        }
-    };
-}
 
 on_every_store!(
     list_show_resolve_and_the_retry_replays,

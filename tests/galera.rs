@@ -13,6 +13,8 @@ mod common;
 mod galera;
 #[path = "common/http.rs"]
 mod http_call;
+#[path = "common/orders.rs"]
+mod orders;
 #[path = "common/payments.rs"]
 mod payments;
 
@@ -25,8 +27,6 @@ use http_call::{Answer, http_call};
 use payments::{Provider, pay, payment_service};
 use sqlx::MySqlPool;
 use tokio::process::Child;
-
-const ORDER: &str = r#"{"currency":"KRW","items":[{"sku":"A-10","qty":1}],"amount":12000}"#;
 
 /// One example order service on one node.
 struct Instance {
@@ -44,15 +44,7 @@ impl Instance {
     }
 
     async fn order(&self, key: &str) -> Answer {
-        http_call(
-            &self.addr,
-            Method::POST,
-            "/orders",
-            Some("user-42"),
-            Some(&format!("\"{key}\"")),
-            ORDER,
-        )
-        .await
+        orders::order(&self.addr, key).await.unwrap()
     }
 }
 

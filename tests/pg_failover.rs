@@ -11,6 +11,8 @@
 mod common;
 #[path = "common/http.rs"]
 mod http_call;
+#[path = "common/orders.rs"]
+mod orders;
 #[path = "common/payments.rs"]
 mod payments;
 #[path = "common/pg_pair.rs"]
@@ -22,26 +24,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use http::{Method, StatusCode};
-use http_call::{Answer, try_http_call};
+use orders::order;
 use payments::{Provider, pay, payment_service};
 use pg_pair::{Pair, Relay, Replication};
 use sqlx::PgPool;
 
-const ORDER: &str = r#"{"currency":"KRW","items":[{"sku":"A-10","qty":1}],"amount":12000}"#;
 const KEYS: usize = 240;
 const CLIENTS: usize = 6;
-
-async fn order(addr: &str, key: &str) -> Result<Answer, hyper::Error> {
-    try_http_call(
-        addr,
-        Method::POST,
-        "/orders",
-        Some("user-42"),
-        Some(&format!("\"{key}\"")),
-        ORDER,
-    )
-    .await
-}
 
 /// What the clients saw.
 #[derive(Default)]

@@ -5,6 +5,28 @@
 
 use std::path::{Path, PathBuf};
 
+/// `#[tokio::test]`s named `postgres::case`, `sqlite::case` and (with the
+/// `mysql` feature) `mysql::case` for each generic `case::<DB>()` (the
+/// crate includes this module with `#[macro_use]`).
+#[allow(unused_macros)]
+macro_rules! on_every_store {
+    ($($case:ident),+ $(,)?) => {
+        mod postgres {
+            $(#[tokio::test(flavor = "multi_thread")]
+            async fn $case() { super::$case::<sqlx::Postgres>().await })+
+        }
+        mod sqlite {
+            $(#[tokio::test(flavor = "multi_thread")]
+            async fn $case() { super::$case::<sqlx::Sqlite>().await })+
+        }
+        #[cfg(feature = "mysql")]
+        mod mysql {
+            $(#[tokio::test(flavor = "multi_thread")]
+            async fn $case() { super::$case::<sqlx::MySql>().await })+
+        }
+    };
+}
+
 /// The operators' tests: a fresh ledger with a parked payment.
 #[cfg(all(feature = "testkit", feature = "postgres", feature = "sqlite"))]
 pub mod ledger;
