@@ -200,7 +200,7 @@ impl<DB: Backend> Run<DB> {
     /// committed: the server rolled the transaction back (a deadlock, or on
     /// Galera a replicated writer's abort), and whatever the handler sent
     /// afterwards was rolled back with the claim. The ledger then says what
-    /// to answer ([`rolled_back`](Self::rolled_back)). Otherwise the
+    /// to answer ([`answer_after_rollback`](Self::answer_after_rollback)). Otherwise the
     /// handler ended it itself, and what it committed is kept: the key is
     /// held for reconciliation.
     async fn ended<B>(

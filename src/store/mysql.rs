@@ -11,7 +11,7 @@ use super::lease::{Dialect, x_literal};
 use super::literal::hex;
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
+    LeaseWrite, Migration, RecordStatus, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
     generic_error_kind, migrations, release_savepoint, run_migrations, shared_statements,
 };
 
@@ -133,7 +133,7 @@ impl Backend for MySql {
             isolation = claim.isolation.as_sql(),
             now = now_ms!(),
         );
-        let mut claimed = Claimed::raw_with(conn, |conn| Box::pin(rollback_raw(conn, END_CLAIM)));
+        let mut claimed = without_autocommit(conn);
         let waits = !NO_SYNC_WAIT.load(Ordering::Relaxed);
         let first = if waits {
             format!("{SYNC_READ}{sql}")
@@ -327,7 +327,7 @@ impl Backend for MySql {
             isolation.as_sql()
         );
         let conn = pool.acquire().await?;
-        let mut phase = Claimed::raw_with(conn, |conn| Box::pin(rollback_raw(conn, END_CLAIM)));
+        let mut phase = without_autocommit(conn);
         match sqlx::raw_sql(AssertSqlSafe(begin))
             .execute(&mut *phase)
             .await
@@ -353,7 +353,9 @@ impl Backend for MySql {
         // asks for found rows), so it says whether the fence matched.
         let written = async {
             let sql = format!(
-                "RELEASE SAVEPOINT tower_idempotency_claimed; {}",
+                "{}; {}",
+                // A phase keeps all its writes, as a success does.
+                release_savepoint(RecordStatus::Succeeded),
                 with_lock_wait(LEASE_LOCK_WAIT_SECS, &DIALECT.write(scope, fence, write))
             );
             let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
@@ -406,6 +408,12 @@ impl Backend for MySql {
             _ => StoreErrorKind::Other,
         }
     }
+}
+
+/// A claimed (or phase) transaction on `conn`, whose batch is about to
+/// turn autocommit off: every end that does not commit is [`END_CLAIM`].
+fn without_autocommit(conn: PoolConnection<MySql>) -> Claimed<MySql> {
+    Claimed::raw_with(conn, |conn| Box::pin(rollback_raw(conn, END_CLAIM)))
 }
 
 /// The server's error number, when the error is the server's.
