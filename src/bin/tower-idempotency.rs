@@ -61,11 +61,11 @@ enum Command {
     /// One record, with its recorded answer and its audit trail.
     Show(ScopeArgs),
     /// Settle one record as you saw it: --succeeded or --failed with the
-    /// answer retries will replay, or --rerun; --reason is required. A
-    /// lease-mode record (generation > 0) must be named as `show` printed
-    /// it, --expect-generation N --expect-parks P: the verdict is refused
-    /// (exit 1) if it moved on since (rerun by someone else, taken over,
-    /// parked again).
+    /// answer retries will replay, or --rerun; --reason is required. Name
+    /// the record as `show` printed it (--expect-generation N
+    /// --expect-parks P) and the verdict is refused (exit 1) if it moved
+    /// on since (rerun by someone else, taken over, parked again); without
+    /// them it applies to the record as it is now.
     Resolve(ResolveArgs),
     /// One sweeper pass: expire terminal rows past retention, purge old
     /// tombstones.
@@ -120,9 +120,9 @@ struct ResolveArgs {
     /// Who: recorded in the audit trail. Defaults to $USER (or $LOGNAME).
     #[arg(long)]
     actor: Option<String>,
-    /// The record's generation as `show` printed it. Required (with
-    /// --expect-parks) for a lease-mode record, one whose generation is
-    /// above 0; a default-mode record without it is taken as it is now.
+    /// The record's generation as `show` printed it (with --expect-parks):
+    /// the verdict is refused if the record moved on since. Without it, the
+    /// record is taken as it is now; recommended for a lease-mode record.
     #[arg(long, value_name = "N", requires = "expect_parks")]
     expect_generation: Option<i64>,
     /// How often the record had been parked, as `show` printed it.
@@ -558,13 +558,7 @@ async fn resolve<DB: AdminBackend>(ledger: &Ledger<DB>, args: ResolveArgs, json:
             parks,
             args.expect_claim.clone().or_else(|| row.claim_id.clone()),
         ),
-        _ if row.generation > 0 => {
-            return Err(usage(format!(
-                "the record is in lease mode (it is {} now): name it as you saw it, with \
-                 --expect-generation and --expect-parks as `show` printed them",
-                row.describe()
-            )));
-        }
+        // The issue's interface: the record as it is now.
         _ => Seen::of(&row),
     };
     if args.dry_run {
