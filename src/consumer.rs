@@ -401,7 +401,14 @@ impl<DB: Backend> Consumer<DB> {
             response_body: b"",
             resource_id: None,
         };
-        match DB::finish(&self.pool, tx, &scope, &done).await {
+        let claim = Claim {
+            scope,
+            fingerprint: &fingerprint,
+            retention_ms: retention_ms(self.retention),
+            lock_wait: Duration::ZERO,
+            isolation: self.isolation,
+        };
+        match DB::finish(&self.pool, tx, &claim, &done).await {
             Ok(_) => {
                 observe::message("applied");
                 Ok(Processed::Applied(value))

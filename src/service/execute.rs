@@ -107,7 +107,7 @@ impl<DB: Backend> Run<DB> {
         );
         let completion = Completion::of(status, &stored, &res_parts.extensions);
         let committing = Instant::now();
-        let finished = DB::finish(&self.pool, tx, &id.scope, &completion).await;
+        let finished = DB::finish(&self.pool, tx, &self.ledger_claim(id), &completion).await;
         observe::timing("commit_ms", committing.elapsed());
         // The answer as the handler gave it, with the key's expiry.
         let respond = |expiry: Option<HeaderValue>| {
@@ -135,6 +135,7 @@ impl<DB: Backend> Run<DB> {
                 let problem = Problem::new(ProblemKind::InFlight, detail).retry_after(1);
                 return Ok(refuse(problem, 1));
             }
+            Err(FinishError::Ended(_)) => return Ok(self.ended(id, handler_status).await),
             Err(FinishError::Store(e)) => e,
         };
         match DB::error_kind(&e) {
@@ -278,20 +279,27 @@ impl<DB: Backend> Run<DB> {
     /// handler's own `ROLLBACK` and this, the key was unprotected: a
     /// handler must never end the layer's transaction.
     async fn strand(&self, id: &Identity<'_>, handler_status: i32) {
-        let claim = Claim {
-            scope: id.scope,
-            fingerprint: id.fingerprint.as_bytes(),
-            retention_ms: retention_ms(self.config.retention),
-            lock_wait: Duration::ZERO,
-            isolation: self.config.isolation,
-        };
-        let marked = DB::mark_unresolved(&self.pool, &claim, handler_status).await;
+        let marked = DB::mark_unresolved(&self.pool, &self.ledger_claim(id), handler_status).await;
         tracing::error!(
             handler_status,
             marked = marked.is_ok(),
             "the handler ended the claimed transaction itself (COMMIT, ROLLBACK or DDL); \
              what it committed is kept and the key needs reconciliation"
         );
+    }
+}
+
+impl<DB: Backend> Run<DB> {
+    /// What the ledger keeps of `id`'s claim: its scope, fingerprint and
+    /// retention.
+    fn ledger_claim<'a>(&self, id: &'a Identity<'_>) -> Claim<'a> {
+        Claim {
+            scope: id.scope,
+            fingerprint: id.fingerprint.as_bytes(),
+            retention_ms: retention_ms(self.config.retention),
+            lock_wait: Duration::ZERO,
+            isolation: self.config.isolation,
+        }
     }
 }
 

@@ -450,7 +450,7 @@ impl Dialect {
 /// it matched (`Some(expires_at)`), rolls back when it did not or failed.
 #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub(crate) async fn commit_if_written<DB: sqlx::Database>(
-    tx: sqlx::Transaction<'static, DB>,
+    tx: super::Claimed<DB>,
     written: Result<Option<i64>, sqlx::Error>,
 ) -> Result<Option<i64>, super::FinishError> {
     match written {
@@ -459,11 +459,11 @@ pub(crate) async fn commit_if_written<DB: sqlx::Database>(
             Ok(Some(expires_at))
         }
         Ok(None) => {
-            tx.rollback().await?;
+            tx.rollback().await;
             Ok(None)
         }
         Err(e) => {
-            let _ = tx.rollback().await;
+            tx.rollback().await;
             Err(e.into())
         }
     }

@@ -49,7 +49,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
-use sqlx::{Database, Pool, Transaction};
+use sqlx::{Database, Pool};
 
 mod admin;
 mod claimed;
@@ -68,6 +68,8 @@ pub use claimed::Claimed;
 pub(crate) use lease::{CLAIM_ID, claim_data};
 pub use lease::{Fence, LeaseRecord, LeaseWrite};
 pub(crate) use literal::hex;
+#[cfg(all(feature = "postgres", feature = "testkit"))]
+pub(crate) use postgres::scope_lock;
 
 /// The identity of one logical request: who, which operation, which key.
 /// The unique constraint is on all three, never on the key alone.
@@ -535,6 +537,10 @@ pub enum FinishError {
     /// database reports the transaction still running: it may yet commit
     /// or roll back, and the key stays locked until it has.
     InProgress(sqlx::Error),
+    /// The claimed transaction was no longer the one the claim began (the
+    /// handler ended it itself, with a `COMMIT` or `ROLLBACK` statement):
+    /// nothing was recorded, and what the handler committed stays.
+    Ended(sqlx::Error),
 }
 
 impl From<sqlx::Error> for FinishError {
@@ -547,7 +553,7 @@ impl FinishError {
     /// The driver error underneath.
     pub fn into_inner(self) -> sqlx::Error {
         match self {
-            Self::Store(e) | Self::Aborted(e) | Self::InProgress(e) => e,
+            Self::Store(e) | Self::Aborted(e) | Self::InProgress(e) | Self::Ended(e) => e,
         }
     }
 }
@@ -564,6 +570,10 @@ impl std::fmt::Display for FinishError {
                 f,
                 "the connection was lost during COMMIT ({e}); the transaction is still running"
             ),
+            Self::Ended(e) => write!(
+                f,
+                "the claimed transaction was ended by the handler ({e}); nothing was recorded"
+            ),
         }
     }
 }
@@ -571,7 +581,7 @@ impl std::fmt::Display for FinishError {
 impl std::error::Error for FinishError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::Store(e) | Self::Aborted(e) | Self::InProgress(e) => Some(e),
+            Self::Store(e) | Self::Aborted(e) | Self::InProgress(e) | Self::Ended(e) => Some(e),
         }
     }
 }
@@ -634,10 +644,13 @@ pub trait Backend: Database {
         claim: &Claim<'_>,
     ) -> impl Future<Output = Result<ClaimOutcome<Self>, sqlx::Error>> + Send;
 
-    /// Writes the terminal state on the claimed row (for `FailedFinal`,
+    /// Records the terminal state of `claim`'s scope (for `FailedFinal`,
     /// after rolling back to the claim's savepoint) and commits, checking
-    /// first that the claimed transaction is still open (an error of kind
-    /// [`StoreErrorKind::TransactionEnded`] when the savepoint is gone).
+    /// first that the claimed transaction is still the one the claim began
+    /// ([`FinishError::Ended`], or an error of kind
+    /// [`StoreErrorKind::TransactionEnded`], when it is not). PostgreSQL
+    /// writes its one ledger row here; the other stores update the row
+    /// the claim inserted.
     /// Returns the key's `expires_at` (epoch milliseconds, database clock).
     /// The transaction is rolled back on error.
     ///
@@ -659,7 +672,7 @@ pub trait Backend: Database {
     fn finish(
         pool: &Pool<Self>,
         tx: Claimed<Self>,
-        scope: &Scope<'_>,
+        claim: &Claim<'_>,
         completion: &Completion<'_>,
     ) -> impl Future<Output = Result<i64, FinishError>> + Send;
 
@@ -860,19 +873,6 @@ pub(crate) fn release_savepoint(status: RecordStatus) -> &'static str {
     } else {
         "RELEASE SAVEPOINT tower_idempotency_claimed"
     }
-}
-
-/// The sqlx transaction of a backend that hands its claims over as one.
-#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
-fn claimed_transaction<DB: Database>(
-    tx: Claimed<DB>,
-) -> Result<Transaction<'static, DB>, sqlx::Error> {
-    tx.into_transaction().map_err(|raw| {
-        raw.discard();
-        sqlx::Error::Protocol(
-            "a raw claimed connection reached a backend that claims with sqlx transactions".into(),
-        )
-    })
 }
 
 /// Errors every driver reports the same way: lost or unavailable connections.

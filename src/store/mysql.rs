@@ -2,11 +2,12 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use sqlx::mysql::{MySql, MySqlDatabaseError};
+use sqlx::mysql::{MySql, MySqlDatabaseError, MySqlTransactionManager};
 use sqlx::pool::PoolConnection;
-use sqlx::{AssertSqlSafe, Pool, Row};
+use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr};
+use sqlx_core::transaction::TransactionManager;
 
-use super::claimed::rollback_raw;
+use super::claimed::Ending;
 use super::lease::{Dialect, x_literal};
 use super::literal::hex;
 use super::{
@@ -133,36 +134,37 @@ impl Backend for MySql {
             isolation = claim.isolation.as_sql(),
             now = now_ms!(),
         );
-        let mut claimed = without_autocommit(conn);
         let waits = !NO_SYNC_WAIT.load(Ordering::Relaxed);
         let first = if waits {
             format!("{SYNC_READ}{sql}")
         } else {
             sql.clone()
         };
-        let mut done = sqlx::raw_sql(AssertSqlSafe(first))
-            .execute(&mut *claimed)
-            .await;
-        // The batch stopped at its first statement: nothing changed yet.
-        if waits && done.as_ref().is_err_and(|e| number(e) == Some(1193)) {
+        // The batch is the transaction's start, so sqlx counts the claimed
+        // transaction (a handler's nested `begin()` is a savepoint).
+        let mut begun = Claimed::begin(conn, AssertSqlSafe(first).into_sql_str(), end_claim).await;
+        if waits && let Err((e, _)) = &begun
+            && number(e) == Some(1193)
+        {
+            // The batch stopped at its first statement: nothing changed yet.
             NO_SYNC_WAIT.store(true, Ordering::Relaxed);
-            done = sqlx::raw_sql(AssertSqlSafe(sql))
-                .execute(&mut *claimed)
-                .await;
-        }
-        match done {
-            Ok(_) => Ok(ClaimOutcome::Won(claimed)),
-            // The driver's own signal, never a parsed message.
-            Err(e)
-                if e.as_database_error()
-                    .is_some_and(|d| d.is_unique_violation()) =>
-            {
-                claimed.rollback().await;
-                Ok(ClaimOutcome::Lost(None))
+            if let Err((_, conn)) = begun {
+                begun = Claimed::begin(conn, AssertSqlSafe(sql).into_sql_str(), end_claim).await;
             }
-            Err(e) => {
-                claimed.rollback().await;
-                Err(e)
+        }
+        match begun {
+            Ok(claimed) => Ok(ClaimOutcome::Won(claimed)),
+            Err((e, mut conn)) => {
+                // The batch stopped at its failing statement, perhaps with
+                // autocommit off and a transaction open: end both.
+                if sqlx::raw_sql(END_CLAIM).execute(&mut *conn).await.is_err() {
+                    conn.close_on_drop();
+                }
+                // The driver's own signal, never a parsed message.
+                match e.as_database_error() {
+                    Some(d) if d.is_unique_violation() => Ok(ClaimOutcome::Lost(None)),
+                    _ => Err(e),
+                }
             }
         }
     }
@@ -170,9 +172,10 @@ impl Backend for MySql {
     async fn finish(
         _pool: &Pool<Self>,
         mut tx: Claimed<Self>,
-        scope: &Scope<'_>,
+        claim: &Claim<'_>,
         c: &Completion<'_>,
     ) -> Result<i64, FinishError> {
+        let scope = &claim.scope;
         // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, record,
         // read the expiry, commit, and turn autocommit back on. The read
@@ -211,7 +214,7 @@ impl Backend for MySql {
         );
         match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
             Ok(rows) => {
-                tx.ended();
+                tx.ended_by_batch();
                 Ok(rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?)
             }
             Err(e) => {
@@ -327,14 +330,12 @@ impl Backend for MySql {
             isolation.as_sql()
         );
         let conn = pool.acquire().await?;
-        let mut phase = without_autocommit(conn);
-        match sqlx::raw_sql(AssertSqlSafe(begin))
-            .execute(&mut *phase)
-            .await
-        {
-            Ok(_) => Ok(phase),
-            Err(e) => {
-                phase.rollback().await;
+        match Claimed::begin(conn, AssertSqlSafe(begin).into_sql_str(), end_claim).await {
+            Ok(phase) => Ok(phase),
+            Err((e, mut conn)) => {
+                if sqlx::raw_sql(END_CLAIM).execute(&mut *conn).await.is_err() {
+                    conn.close_on_drop();
+                }
                 Err(e)
             }
         }
@@ -372,7 +373,7 @@ impl Backend for MySql {
         .await;
         match written {
             Ok(Some(expires_at)) => {
-                tx.ended();
+                tx.ended_by_batch();
                 Ok(Some(expires_at))
             }
             Ok(None) => {
@@ -410,10 +411,16 @@ impl Backend for MySql {
     }
 }
 
-/// A claimed (or phase) transaction on `conn`, whose batch is about to
-/// turn autocommit off: every end that does not commit is [`END_CLAIM`].
-fn without_autocommit(conn: PoolConnection<MySql>) -> Claimed<MySql> {
-    Claimed::raw_with(conn, |conn| Box::pin(rollback_raw(conn, END_CLAIM)))
+/// Ends a claimed (or phase) transaction that is not committed: every
+/// end that does not commit is [`END_CLAIM`] (autocommit back on), then
+/// sqlx's count goes back to zero (its `ROLLBACK` of nothing queued for the
+/// connection's next use).
+fn end_claim(conn: &mut PoolConnection<MySql>) -> Ending<'_> {
+    Box::pin(async move {
+        sqlx::raw_sql(END_CLAIM).execute(&mut **conn).await?;
+        <MySqlTransactionManager as TransactionManager>::start_rollback(&mut **conn);
+        Ok(())
+    })
 }
 
 /// The server's error number, when the error is the server's.

@@ -1,19 +1,19 @@
 //! PostgreSQL: the production store.
 
-use std::future::poll_fn;
 use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgRow, Postgres};
+use sqlx::postgres::Postgres;
 use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr};
 
+use super::claimed::rollback;
 use super::lease::Dialect;
 use super::literal::hex;
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, Record, RecordRow, Scope, StoreErrorKind, TAKE_SAVEPOINT,
-    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, record_from_row, release_savepoint,
-    run_migrations,
+    LeaseWrite, Migration, Record, RecordStatus, Scope, StoreErrorKind, TAKE_SAVEPOINT,
+    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, record_from_row, run_migrations,
+    shared_statements,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).
@@ -32,6 +32,36 @@ const MIGRATIONS: &[Migration] = migrations!(
     5 => "0005_claim_fence",
     6 => "0006_claim_functions",
     7 => "0007_operator_audit",
+    8 => "0008_scope_lock_wait",
+);
+
+/// The claim's read, prepared (round trip 2): the transaction's id when
+/// round trip 1 took the scope's lock (`NULL`: another transaction holds
+/// it), and the scope's committed row, as `fetch` reads it.
+const CLAIM_READ: &str = concat!(
+    "SELECT txid_current_if_assigned(), r.status, r.request_fingerprint, r.response_status, \
+     r.response_headers, r.response_body, r.resource_id, r.expires_at, \
+     CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
+     CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
+     r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8 \
+     FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
+     LEFT JOIN idempotency_records r \
+     ON r.principal_id = $1 AND r.operation = $2 AND r.idem_key = $3"
+);
+
+/// Waits for the scope's lock within a bound (ledger v8's function).
+const WAIT: &str = "SELECT tower_idempotency_wait($1, $2, $3)";
+
+/// The one ledger row, written just before the COMMIT, only on the
+/// transaction the claim began (`$11`, its id).
+const RECORD: &str = concat!(
+    "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
+     status, response_status, response_headers, response_body, resource_id, created_at, \
+     expires_at) SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, ",
+    now_ms!(),
+    ", ",
+    now_ms!(),
+    " + $10 WHERE txid_current() = $11 RETURNING expires_at"
 );
 
 impl Backend for Postgres {
@@ -51,91 +81,148 @@ impl Backend for Postgres {
     }
 
     async fn claim(
-        mut conn: PoolConnection<Self>,
+        conn: PoolConnection<Self>,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        // One round trip. The statements run in the implicit transaction of
-        // a multi-statement query until `BEGIN` turns it into an explicit
-        // one that stays open for the handler, past the savepoint. The
-        // claim is `tower_idempotency_claim` (ledger v6): it takes the
-        // scope's advisory lock (a wait bounded inside the function, the
-        // session's own `lock_timeout` put back after it), then inserts the
-        // `PROCESSING` row; won, lost (with the row that holds the scope)
-        // and still in flight are values, so a retry raises no error on the
-        // server, and a replay writes nothing. A serialization failure
-        // (above READ COMMITTED) ends in an error that rolls everything
-        // back and leaves the connection idle. Several statements need the simple query
-        // protocol, which has no parameters, so every value is written as
-        // hex digits or a decimal integer: nothing from the request can
-        // change the statement.
-        //
-        // sqlx cannot both read a statement's rows and count the
-        // transaction it opens, so the won transaction is handed over as
-        // the raw connection (`Claimed::raw`): `finish` commits it in the
-        // recording's batch, and nothing is queued after it.
-        let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
-        let sql = format!(
-            "SET TRANSACTION ISOLATION LEVEL {}; \
-             SELECT * FROM tower_idempotency_claim({}, {}, {}, {}, {}, {ms}); \
-             BEGIN; {TAKE_SAVEPOINT}",
+        // Round trip 1, the transaction's start (sqlx counts it: a
+        // handler's nested `begin()` is a savepoint): take the scope's
+        // transaction advisory lock if it is free, and only then give the
+        // transaction its id, so that the id says whether the lock is
+        // ours; take the savepoint final business errors roll back to. The
+        // statement holds nothing from the request: the isolation level's
+        // name and the lock's two keys, integers made from the scope's
+        // SHA-256 (64 bits, so no principal can make another one's claims
+        // wait).
+        let (k1, k2) = scope_lock(&claim.scope);
+        let begin = format!(
+            "BEGIN ISOLATION LEVEL {};              SELECT txid_current() WHERE pg_try_advisory_xact_lock({k1}, {k2});              {TAKE_SAVEPOINT}",
             claim.isolation.as_sql(),
-            text_arg(claim.scope.principal),
-            text_arg(claim.scope.operation),
-            text_arg(claim.scope.key),
-            bytea_arg(claim.fingerprint),
-            claim.retention_ms,
         );
-        let row = sqlx::raw_sql(AssertSqlSafe(sql))
-            .fetch_one(&mut *conn)
-            .await?;
-        // From here the connection is inside the transaction: on an error
-        // it is closed, never pooled.
-        let outcome = match claim_outcome(&row) {
-            Ok(Some(outcome)) => outcome,
-            Ok(None) => return Ok(ClaimOutcome::Won(Claimed::raw(conn))),
-            Err(e) => {
+        let begin = AssertSqlSafe(begin).into_sql_str();
+        let mut tx = match Claimed::begin(conn, begin.clone(), rollback).await {
+            Ok(tx) => tx,
+            Err((e, mut conn)) => {
+                // The batch may have left the server inside its `BEGIN`.
                 conn.close_on_drop();
                 return Err(e);
             }
         };
-        // The transaction wrote nothing; ending it with COMMIT keeps the
-        // server's rollback count for real failures.
-        if let Err(e) = sqlx::raw_sql("COMMIT").execute(&mut *conn).await {
-            conn.close_on_drop();
-            return Err(e);
-        }
+        // Round trip 2, prepared: the transaction's id (set only when the
+        // lock was taken in round trip 1, so this statement's snapshot,
+        // taken after it, sees every commit of the scope's earlier holder)
+        // and the scope's committed row. Lost to a committed row: that row.
+        // Not ours and no row: wait for the lock within the claim's bound,
+        // then read again.
+        let mut waited = false;
+        let outcome = loop {
+            let read = claim_read(&mut tx, &claim.scope).await;
+            let (xid, record) = match read {
+                Ok(read) => read,
+                Err(e) => {
+                    tx.discard();
+                    return Err(e);
+                }
+            };
+            match (xid, record) {
+                (_, Some(record)) => break ClaimOutcome::Lost(Some(Box::new(record))),
+                (Some(xid), None) => {
+                    tx.xid = Some(xid);
+                    return Ok(ClaimOutcome::Won(tx));
+                }
+                (None, None) if waited => break ClaimOutcome::InFlight,
+                (None, None) => {
+                    waited = true;
+                    let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128) as i32;
+                    let got: Result<bool, _> = sqlx::query_scalar(WAIT)
+                        .bind(k1)
+                        .bind(k2)
+                        .bind(ms)
+                        .fetch_one(&mut *tx)
+                        .await;
+                    match got {
+                        Ok(true) => {}
+                        Ok(false) => break ClaimOutcome::InFlight,
+                        Err(e) => {
+                            tx.discard();
+                            return Err(e);
+                        }
+                    }
+                    // Above READ COMMITTED the transaction's snapshot was
+                    // taken before the wait: the holder's row would stay
+                    // unseen. Begin again, after it.
+                    if claim.isolation != IsolationLevel::ReadCommitted
+                        && let Err(e) = tx.begin_again(begin.clone()).await
+                    {
+                        tx.discard();
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        // Nothing was written: ending with COMMIT keeps the server's
+        // rollback count for real failures.
+        tx.commit().await?;
         Ok(outcome)
     }
 
     async fn finish(
         pool: &Pool<Self>,
-        tx: Claimed<Self>,
-        scope: &Scope<'_>,
+        mut tx: Claimed<Self>,
+        claim: &Claim<'_>,
         c: &Completion<'_>,
     ) -> Result<i64, FinishError> {
-        // One round trip: (undo the business writes,) prove the claimed
-        // transaction is still ours by releasing its savepoint, record
-        // (`tower_idempotency_finish`, which fails when the row is gone, so
-        // the COMMIT never runs without it), commit. The transaction's id
-        // rides along with the expiry, so that a connection lost during the
-        // `COMMIT` can be explained (`txid_current()`: 64 bits with the
-        // epoch, on every version, where PostgreSQL 13's
-        // `pg_current_xact_id()` is not).
-        let release = release_savepoint(c.status);
-        let sql = format!(
-            "{release}; \
-             SELECT tower_idempotency_finish({}, {}, {}, '{}', {}, {}, {}, {}), txid_current(); \
-             COMMIT",
-            text_arg(scope.principal),
-            text_arg(scope.operation),
-            text_arg(scope.key),
-            c.status.as_str(),
-            c.response_status,
-            bytea_arg(c.response_headers),
-            bytea_arg(c.response_body),
-            c.resource_id.map_or_else(|| "NULL".to_string(), text_arg),
-        );
-        run_commit(pool, tx, sql).await
+        // One ledger row, written once, just before the COMMIT: a prepared
+        // insert whose `WHERE` proves the transaction is still the one the
+        // claim began (a handler that ended it itself and went on in
+        // another writes no ledger row), then sqlx's COMMIT. A final
+        // business error first undoes the business writes.
+        let Some(xid) = tx.xid else {
+            tx.discard();
+            return Err(sqlx::Error::Protocol("a claimed transaction without its id".into()).into());
+        };
+        if c.status == RecordStatus::FailedFinal
+            && let Err(e) = Self::check_savepoint(&mut tx).await
+        {
+            tx.discard();
+            return Err(e.into());
+        }
+        let inserted: Result<Option<i64>, _> = sqlx::query_scalar(RECORD)
+            .bind(claim.scope.principal)
+            .bind(claim.scope.operation)
+            .bind(claim.scope.key)
+            .bind(claim.fingerprint)
+            .bind(c.status.as_str())
+            .bind(c.response_status)
+            .bind(c.response_headers)
+            .bind(c.response_body)
+            .bind(c.resource_id)
+            .bind(claim.retention_ms)
+            .bind(xid)
+            .fetch_optional(&mut *tx)
+            .await;
+        let expires_at = match inserted {
+            Ok(Some(expires_at)) => expires_at,
+            Ok(None) => {
+                // Not the claimed transaction any more: the savepoint says
+                // how (an error of kind `TransactionEnded`).
+                let e = match Self::check_savepoint(&mut tx).await {
+                    Err(e) => e,
+                    Ok(()) => sqlx::Error::Protocol(
+                        "the claimed transaction was replaced by another one".into(),
+                    ),
+                };
+                tx.discard();
+                return Err(FinishError::Ended(e));
+            }
+            Err(e) => {
+                tx.discard();
+                return Err(e.into());
+            }
+        };
+        match tx.commit().await {
+            Ok(()) => Ok(expires_at),
+            Err(e) => lost_commit(pool, xid, expires_at, e).await,
+        }
     }
 
     async fn check_savepoint(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
@@ -145,86 +232,50 @@ impl Backend for Postgres {
             .map(drop)
     }
 
-    // Every statement below goes through the simple query protocol with
-    // hex literals, like the claim: one round trip each, no prepared
-    // statements, so the ledger works through PgBouncer in transaction
-    // pooling mode whatever its version and the application's statement
-    // cache settings.
-
-    async fn fetch(pool: &Pool<Self>, scope: &Scope<'_>) -> Result<Option<Record>, sqlx::Error> {
-        let sql = format!(
+    shared_statements!(
+        Postgres,
+        fetch = concat!(
             "SELECT status, request_fingerprint, response_status, response_headers, \
              response_body, resource_id, expires_at, \
-             CASE WHEN expires_at <= {now} THEN 1::INT8 ELSE 0::INT8 END, generation, \
-             CASE WHEN locked_until > {now} THEN 1::INT8 ELSE 0::INT8 END, \
+             CASE WHEN expires_at <= ",
+            now_ms!(),
+            " THEN 1::INT8 ELSE 0::INT8 END, generation, \
+             CASE WHEN locked_until > ",
+            now_ms!(),
+            " THEN 1::INT8 ELSE 0::INT8 END, \
              recovery_point, recovery_data, pending_step, claim_id, parks::INT8 \
-             FROM idempotency_records WHERE {}",
-            where_scope(scope),
-            now = now_ms!(),
-        );
-        let Some(row) = sqlx::raw_sql(AssertSqlSafe(sql))
-            .fetch_optional(pool)
-            .await?
-        else {
-            return Ok(None);
-        };
-        record_from_row(RecordRow::from_row(&row)?).map(Some)
-    }
-
-    async fn mark_unresolved(
-        pool: &Pool<Self>,
-        claim: &Claim<'_>,
-        response_status: i32,
-    ) -> Result<u64, sqlx::Error> {
-        let sql = format!(
+             FROM idempotency_records \
+             WHERE principal_id = $1 AND operation = $2 AND idem_key = $3"
+        ),
+        mark = concat!(
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
              request_fingerprint, status, response_status, created_at, expires_at) \
-             VALUES ({}, {}, {}, {}, 'NEEDS_RECONCILIATION', {response_status}, {now}, {now} + {}) \
+             VALUES ($1, $2, $3, $4, 'NEEDS_RECONCILIATION', $5, ",
+            now_ms!(),
+            ", ",
+            now_ms!(),
+            " + $6) \
              ON CONFLICT (principal_id, operation, idem_key) DO UPDATE \
              SET status = 'NEEDS_RECONCILIATION', response_status = EXCLUDED.response_status \
-             WHERE idempotency_records.status = 'PROCESSING'",
-            text(claim.scope.principal),
-            text(claim.scope.operation),
-            text(claim.scope.key),
-            bytea(claim.fingerprint),
-            claim.retention_ms,
-            now = now_ms!(),
-        );
-        execute(pool, sql).await
-    }
-
-    async fn expire_batch(
-        pool: &Pool<Self>,
-        now: Option<i64>,
-        keep_ms: i64,
-        limit: i64,
-    ) -> Result<u64, sqlx::Error> {
-        let sql = format!(
+             WHERE idempotency_records.status = 'PROCESSING'"
+        ),
+        expire = concat!(
             "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
-             response_body = NULL, expires_at = expires_at + {keep_ms} \
+             response_body = NULL, expires_at = expires_at + $1 \
              WHERE (principal_id, operation, idem_key) IN \
              (SELECT principal_id, operation, idem_key FROM idempotency_records \
-             WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= {} \
-             LIMIT {limit} FOR UPDATE SKIP LOCKED)",
-            now.map_or_else(|| now_ms!().to_string(), |n| n.to_string()),
-        );
-        execute(pool, sql).await
-    }
-
-    async fn purge_batch(
-        pool: &Pool<Self>,
-        now: Option<i64>,
-        limit: i64,
-    ) -> Result<u64, sqlx::Error> {
-        let sql = format!(
+             WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= COALESCE($2, ",
+            now_ms!(),
+            ") LIMIT $3 FOR UPDATE SKIP LOCKED)"
+        ),
+        purge = concat!(
             "DELETE FROM idempotency_records WHERE (principal_id, operation, idem_key) IN \
              (SELECT principal_id, operation, idem_key FROM idempotency_records \
-             WHERE status = 'EXPIRED' AND expires_at <= {} \
-             LIMIT {limit} FOR UPDATE SKIP LOCKED)",
-            now.map_or_else(|| now_ms!().to_string(), |n| n.to_string()),
-        );
-        execute(pool, sql).await
-    }
+             WHERE status = 'EXPIRED' AND expires_at <= COALESCE($1, ",
+            now_ms!(),
+            ") LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        ),
+    );
 
     async fn lease_claim(
         pool: &Pool<Self>,
@@ -271,33 +322,45 @@ impl Backend for Postgres {
         isolation: IsolationLevel,
     ) -> Result<Claimed<Self>, sqlx::Error> {
         let begin = format!("BEGIN ISOLATION LEVEL {}", isolation.as_sql());
-        let tx = pool.begin_with(AssertSqlSafe(begin).into_sql_str()).await?;
-        Ok(tx.into())
+        let conn = pool.acquire().await?;
+        Claimed::begin(conn, AssertSqlSafe(begin).into_sql_str(), rollback)
+            .await
+            .map_err(|(e, mut conn)| {
+                conn.close_on_drop();
+                e
+            })
     }
 
     async fn commit_fenced(
         pool: &Pool<Self>,
-        tx: Claimed<Self>,
+        mut tx: Claimed<Self>,
         scope: &Scope<'_>,
         fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<Option<i64>, FinishError> {
-        // One round trip, as `finish`: the division fails when the fence
-        // matched nothing, so the COMMIT never runs for a stale writer.
+        // The fenced write and the transaction's id; the COMMIT only when
+        // the fence matched (a stale writer's phase rolls back).
         let sql = format!(
             "WITH done AS ({} RETURNING expires_at) \
-             SELECT max(expires_at) + 0 * (1 / count(*)), txid_current() FROM done; \
-             COMMIT; BEGIN",
+             SELECT max(expires_at), txid_current() FROM done",
             DIALECT.write(scope, fence, write)
         );
-        match run_commit(pool, tx, sql).await {
-            Ok(expires_at) => Ok(Some(expires_at)),
-            Err(FinishError::Store(e))
-                if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("22012") =>
-            {
-                Ok(None)
+        let written = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_one(&mut *tx).await;
+        let (expires_at, xid) = match written.and_then(|row| <(Option<i64>, i64)>::from_row(&row))
+        {
+            Ok((Some(expires_at), xid)) => (expires_at, xid),
+            Ok((None, _)) => {
+                tx.rollback().await;
+                return Ok(None);
             }
-            Err(e) => Err(e),
+            Err(e) => {
+                tx.discard();
+                return Err(e.into());
+            }
+        };
+        match tx.commit().await {
+            Ok(()) => Ok(Some(expires_at)),
+            Err(e) => lost_commit(pool, xid, expires_at, e).await.map(Some),
         }
     }
 
@@ -316,8 +379,10 @@ impl Backend for Postgres {
             // lock_not_available: our lock_timeout fired; query_canceled:
             // the application's own statement_timeout fired first.
             "55P03" | "57014" => StoreErrorKind::LockTimeout,
-            // serialization_failure, deadlock_detected
-            "40001" | "40P01" => StoreErrorKind::Conflict,
+            // serialization_failure, deadlock_detected; unique_violation
+            // (the one ledger row meets a row written without the scope's
+            // lock: nothing of this transaction commits)
+            "40001" | "40P01" | "23505" => StoreErrorKind::Conflict,
             // invalid_savepoint_specification, no_active_sql_transaction
             "3B001" | "25P01" => StoreErrorKind::TransactionEnded,
             // too_many_connections
@@ -329,51 +394,18 @@ impl Backend for Postgres {
     }
 }
 
-/// Runs a recording batch whose one row is `(expires_at, txid_current())`
-/// and which ends in `COMMIT` (raw, from a claim) or `COMMIT; BEGIN` (a
-/// sqlx transaction, whose count of one open transaction the `BEGIN`
-/// matches); on error rolls back (sqlx) or closes the connection (raw: its
-/// state after a failed batch is not known here, and a closed connection
-/// leaves nothing open). Read as a stream: the row the server sent before
-/// the connection died is kept with the error that followed it, and the
-/// transaction's id then asks the server what became of the commit.
-async fn run_commit(
+/// The `COMMIT` of the transaction `xid`, which recorded `expires_at`,
+/// failed with `e`. A lost connection is explained by the server: it is
+/// asked what became of the transaction.
+async fn lost_commit(
     pool: &Pool<Postgres>,
-    mut tx: Claimed<Postgres>,
-    sql: String,
+    xid: i64,
+    expires_at: i64,
+    e: sqlx::Error,
 ) -> Result<i64, FinishError> {
-    tx.committing();
-    let (row, failed) = {
-        let mut rows = sqlx::raw_sql(AssertSqlSafe(sql)).fetch(&mut *tx);
-        let mut first = None;
-        loop {
-            match poll_fn(|cx| rows.as_mut().poll_next(cx)).await {
-                Some(Ok(row)) => {
-                    first.get_or_insert(row);
-                }
-                Some(Err(e)) => break (first, Some(e)),
-                None => break (first, None),
-            }
-        }
-    };
-    let recorded = row.map(|row| <(i64, i64)>::from_row(&row)).transpose();
-    let Some(e) = failed else {
-        tx.ended();
-        let (expires_at, _) = recorded?.ok_or(sqlx::Error::RowNotFound)?;
-        return Ok(expires_at);
-    };
-    match tx.into_transaction() {
-        Ok(tx) => {
-            let _ = tx.rollback().await;
-        }
-        Err(raw) => raw.discard(),
+    if Postgres::error_kind(&e) != StoreErrorKind::ConnectionLost {
+        return Err(FinishError::Store(e));
     }
-    let (expires_at, xid) = match recorded {
-        // The row arrived, so the server ran the batch this far and may
-        // have committed: ask what became of the transaction.
-        Ok(Some(read)) if Postgres::error_kind(&e) == StoreErrorKind::ConnectionLost => read,
-        _ => return Err(FinishError::Store(e)),
-    };
     let status = lost_commit_status(pool, xid).await;
     tracing::warn!(
         xid,
@@ -389,34 +421,56 @@ async fn run_commit(
     }
 }
 
-/// What the claim function's row says: `None` when the claim was won; a
-/// lost claim with the row that holds the scope, as `fetch` reads it
-/// (`None` when it was deleted meanwhile); or still in flight.
-fn claim_outcome(row: &PgRow) -> Result<Option<ClaimOutcome<Postgres>>, sqlx::Error> {
-    Ok(Some(match row.try_get::<Option<bool>, _>(0)? {
-        Some(true) => return Ok(None),
-        Some(false) => ClaimOutcome::Lost(match row.try_get::<Option<String>, _>(1)? {
-            Some(_) => Some(Box::new(record_from_row((
-                row.try_get(1)?,
-                row.try_get(2)?,
-                row.try_get(3)?,
-                row.try_get(4)?,
-                row.try_get(5)?,
-                row.try_get(6)?,
-                row.try_get(7)?,
-                row.try_get(8)?,
-                row.try_get(9)?,
-                row.try_get(10)?,
-                row.try_get(11)?,
-                row.try_get(12)?,
-                row.try_get(13)?,
-                row.try_get(14)?,
-                row.try_get(15)?,
-            ))?)),
-            None => None,
-        }),
-        None => ClaimOutcome::InFlight,
-    }))
+/// The two keys of a scope's transaction advisory lock: 64 bits of the
+/// SHA-256 of its three parts, each prefixed with its length (so no two
+/// scopes share an input). No principal can choose a scope whose lock
+/// meets a given scope of another's (a second preimage of 64 bits).
+pub(crate) fn scope_lock(scope: &Scope<'_>) -> (i32, i32) {
+    use sha2::{Digest, Sha256};
+    let mut hash = Sha256::new();
+    for part in [scope.principal, scope.operation, scope.key] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part.as_bytes());
+    }
+    let d = hash.finalize();
+    let word = |i: usize| i32::from_be_bytes([d[i], d[i + 1], d[i + 2], d[i + 3]]);
+    (word(0), word(4))
+}
+
+/// The claim's read on the claimed transaction: its id, if round trip 1
+/// took the scope's lock, and the scope's committed row.
+async fn claim_read(
+    tx: &mut Claimed<Postgres>,
+    scope: &Scope<'_>,
+) -> Result<(Option<i64>, Option<Record>), sqlx::Error> {
+    let row = sqlx::query(CLAIM_READ)
+        .bind(scope.principal)
+        .bind(scope.operation)
+        .bind(scope.key)
+        .fetch_one(&mut **tx)
+        .await?;
+    let xid = row.try_get::<Option<i64>, _>(0)?;
+    if row.try_get::<Option<String>, _>(1)?.is_none() {
+        return Ok((xid, None));
+    }
+    let record = record_from_row((
+        row.try_get(1)?,
+        row.try_get(2)?,
+        row.try_get(3)?,
+        row.try_get(4)?,
+        row.try_get(5)?,
+        row.try_get(6)?,
+        row.try_get(7)?,
+        row.try_get(8)?,
+        row.try_get(9)?,
+        row.try_get(10)?,
+        row.try_get(11)?,
+        row.try_get(12)?,
+        row.try_get(13)?,
+        row.try_get(14)?,
+        row.try_get(15)?,
+    ))?;
+    Ok((xid, Some(record)))
 }
 
 /// How lease statements write literals and read the clock.
@@ -534,16 +588,6 @@ async fn execute(pool: &Pool<Postgres>, sql: String) -> Result<u64, sqlx::Error>
         .rows_affected())
 }
 
-/// `principal_id = … AND operation = … AND idem_key = …`, as literals.
-fn where_scope(scope: &Scope<'_>) -> String {
-    format!(
-        "principal_id = {} AND operation = {} AND idem_key = {}",
-        text(scope.principal),
-        text(scope.operation),
-        text(scope.key)
-    )
-}
-
 /// A text value as an SQL expression made of hex digits only. The
 /// explicit collation lets the planner use the ledger's indexes with it
 /// (without it, `convert_from`'s result has no collation to match and a
@@ -553,34 +597,6 @@ fn text(value: &str) -> String {
         "convert_from(decode('{}', 'hex'), 'UTF8') COLLATE \"default\"",
         hex(value.as_bytes())
     )
-}
-
-/// A text value as a function's argument: an escape string literal
-/// (`E'…'`, every backslash and quote doubled, so it reads the same under
-/// either `standard_conforming_strings`), which the server takes without a
-/// function call; a value with a NUL, which no PostgreSQL text can hold, is
-/// written as [`text`] writes it and fails there.
-fn text_arg(value: &str) -> String {
-    if value.contains('\0') {
-        return text(value);
-    }
-    let mut lit = String::with_capacity(value.len() + 3);
-    lit.push_str("E'");
-    for c in value.chars() {
-        match c {
-            '\\' => lit.push_str("\\\\"),
-            '\'' => lit.push_str("''"),
-            c => lit.push(c),
-        }
-    }
-    lit.push('\'');
-    lit
-}
-
-/// A `bytea` value as a function's argument: hex digits in an escape
-/// string literal (`E'\\x…'::bytea`).
-fn bytea_arg(value: &[u8]) -> String {
-    format!("E'\\\\x{}'::bytea", hex(value))
 }
 
 /// A `bytea` value as an SQL expression made of hex digits only.
@@ -657,17 +673,6 @@ mod tests {
             xact_status(&pool, aborted + (1 << 40), wait).await,
             XactStatus::Unknown
         );
-    }
-
-    #[test]
-    fn function_arguments_are_escaped_literals() {
-        assert_eq!(super::text_arg("a'b\\c"), "E'a''b\\\\c'");
-        assert_eq!(
-            super::text_arg("x'); DROP TABLE t; --"),
-            "E'x''); DROP TABLE t; --'"
-        );
-        assert!(super::text_arg("a\0b").starts_with("convert_from(decode('"));
-        assert_eq!(super::bytea_arg(&[0, 0xab]), "E'\\\\x00ab'::bytea");
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! SQLite: the embedded default.
 
-use sqlx::pool::{MaybePoolConnection, PoolConnection};
+use sqlx::pool::PoolConnection;
 use sqlx::sqlite::Sqlite;
-use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, Transaction};
+use sqlx::{AssertSqlSafe, Pool, SqlSafeStr};
 
+use super::claimed::rollback;
 use super::lease::{Dialect, commit_if_written, x_literal};
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
@@ -51,11 +52,7 @@ impl Backend for Sqlite {
         conn: PoolConnection<Self>,
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
-        let mut tx = Transaction::begin(
-            MaybePoolConnection::PoolConnection(conn),
-            Some("BEGIN IMMEDIATE".into_sql_str()),
-        )
-        .await?;
+        let mut tx = begin_immediate(conn).await?;
         let inserted = sqlx::query(concat!(
             "INSERT INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
@@ -74,15 +71,18 @@ impl Backend for Sqlite {
         .await;
         match inserted {
             Ok(done) if done.rows_affected() == 1 => {
-                sqlx::raw_sql(TAKE_SAVEPOINT).execute(&mut *tx).await?;
-                Ok(ClaimOutcome::Won(tx.into()))
+                if let Err(e) = sqlx::raw_sql(TAKE_SAVEPOINT).execute(&mut *tx).await {
+                    tx.rollback().await;
+                    return Err(e);
+                }
+                Ok(ClaimOutcome::Won(tx))
             }
             Ok(_) => {
-                tx.rollback().await?;
+                tx.rollback().await;
                 Ok(ClaimOutcome::Lost(None))
             }
             Err(e) => {
-                let _ = tx.rollback().await;
+                tx.rollback().await;
                 Err(e)
             }
         }
@@ -90,11 +90,11 @@ impl Backend for Sqlite {
 
     async fn finish(
         _pool: &Pool<Self>,
-        tx: Claimed<Self>,
-        scope: &Scope<'_>,
+        mut tx: Claimed<Self>,
+        claim: &Claim<'_>,
         c: &Completion<'_>,
     ) -> Result<i64, FinishError> {
-        let mut tx = super::claimed_transaction(tx)?;
+        let scope = &claim.scope;
         // An embedded database has no round trips to save: prove the
         // claimed transaction is still ours, record with parameters, commit.
         // No connection to lose: every error is a `FinishError::Store`.
@@ -103,7 +103,7 @@ impl Backend for Sqlite {
             .await
         {
             let e = reopen_if_ended(&mut tx, e).await;
-            let _ = tx.rollback().await;
+            tx.rollback().await;
             return Err(e.into());
         }
         let recorded: Result<i64, _> = sqlx::query_scalar(
@@ -127,7 +127,7 @@ impl Backend for Sqlite {
                 Ok(expires_at)
             }
             Err(e) => {
-                let _ = tx.rollback().await;
+                tx.rollback().await;
                 Err(e.into())
             }
         }
@@ -221,17 +221,16 @@ impl Backend for Sqlite {
         _isolation: IsolationLevel,
     ) -> Result<Claimed<Self>, sqlx::Error> {
         // The write lock up front, as for a claim.
-        Ok(pool.begin_with("BEGIN IMMEDIATE").await?.into())
+        begin_immediate(pool.acquire().await?).await
     }
 
     async fn commit_fenced(
         _pool: &Pool<Self>,
-        tx: Claimed<Self>,
+        mut tx: Claimed<Self>,
         scope: &Scope<'_>,
         fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<Option<i64>, FinishError> {
-        let mut tx = super::claimed_transaction(tx)?;
         let sql = format!(
             "{} RETURNING expires_at",
             DIALECT.write(scope, fence, write)
@@ -287,6 +286,13 @@ async fn execute(pool: &Pool<Sqlite>, sql: String) -> Result<u64, sqlx::Error> {
         .execute(pool)
         .await?
         .rows_affected())
+}
+
+/// Begins a claimed transaction that holds SQLite's write lock.
+async fn begin_immediate(conn: PoolConnection<Sqlite>) -> Result<Claimed<Sqlite>, sqlx::Error> {
+    Claimed::begin(conn, "BEGIN IMMEDIATE".into_sql_str(), rollback)
+        .await
+        .map_err(|(e, _)| e)
 }
 
 /// The handler ended the claimed transaction: sqlx still counts it open,

@@ -312,10 +312,15 @@ impl ConformanceDb for sqlx::Postgres {
         key: &str,
     ) -> Transaction<'static, Self> {
         let mut tx = pool.begin().await.unwrap();
-        // As a claim holds a scope: its advisory lock (see the claim
-        // function in migrations/postgres), and a PROCESSING row.
+        // As a claim holds a scope: its advisory lock (see
+        // `store::postgres::scope_lock`), and an uncommitted row.
+        let (k1, k2) = crate::store::scope_lock(&crate::store::Scope {
+            principal,
+            operation,
+            key,
+        });
         let sql = format!(
-            "SELECT pg_advisory_xact_lock(1953064039, hashtext({p} || E'\\n' || {o} || E'\\n' || {k})); \
+            "SELECT pg_advisory_xact_lock({k1}, {k2}); \
              INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
              status, created_at, expires_at) VALUES ({p}, {o}, {k}, '\\x00', 'PROCESSING', 0, 9000000000000)",
             p = pg_lit(principal),

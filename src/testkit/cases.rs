@@ -1279,6 +1279,40 @@ pub async fn handler_that_ends_the_transaction_is_held_for_reconciliation<DB: Co
     );
 }
 
+/// Issue 25: a nested `begin()` on the claimed transaction is a savepoint
+/// sqlx counts, whatever ends it (`commit()`, `rollback()`, a drop): the
+/// claim and what holds the scope survive, a duplicate sent meanwhile on
+/// another instance never runs the handler and replays, and only the
+/// nested work the handler committed is kept.
+pub async fn nested_transactions_in_the_handler_are_savepoints<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let mut expected_orders = 0;
+    for (mode, orders) in [
+        ("nested_rollback", 1),
+        ("nested_drop", 1),
+        ("nested_commit", 2),
+    ] {
+        let body = format!(r#"{{"amount":1,"mode":"{mode}","sleep_ms":300}}"#);
+        let (a, b) = (h.app(), h.app());
+        let first = {
+            let body = body.clone();
+            tokio::spawn(async move { send(&a, order(ALICE, Some(mode), &body)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let second = send(&b, order(ALICE, Some(mode), &body)).await;
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED, "{mode}: {first:?}");
+        assert_eq!(second.status, StatusCode::CREATED, "{mode}: {second:?}");
+        assert!(second.replayed(), "{mode}: the duplicate replays");
+        assert_eq!(second.body, first.body, "{mode}");
+        expected_orders += orders;
+        assert_eq!(h.orders().await, expected_orders, "{mode}: rows committed");
+    }
+    assert_eq!(h.executions(), 3, "one run per key");
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 3);
+}
+
 /// Hardening 9: under `SERIALIZABLE` (and `REPEATABLE READ`), a claim that
 /// loses to a concurrent one is read back and replayed, never a store
 /// error; concurrent duplicates still execute once.
@@ -1360,8 +1394,8 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
     }
     let pool = &pools[0];
     // PostgreSQL's v6 is its claim functions; v7 (v6 elsewhere) is the
-    // operators' audit trail.
-    let versions = if DB::LABEL == "postgres" { 7 } else { 6 };
+    // operators' audit trail; v8 (PostgreSQL) the scope lock's wait.
+    let versions = if DB::LABEL == "postgres" { 8 } else { 6 };
     assert_eq!(
         DB::count(pool, "SELECT COUNT(*) FROM tower_idempotency_migrations").await,
         versions

@@ -363,3 +363,36 @@ pub async fn consumer_and_http_scopes_never_meet<DB: ConformanceDb>(h: Harness<D
     assert!(matches!(again, Ok(Processed::Duplicate)), "{again:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+/// Case (issue 25): a handler that opens a nested transaction on the
+/// claimed one and rolls it back (sqlx's "try this part" idiom) rolls back
+/// to a savepoint: the claim survives, the delivery applies once, and
+/// redeliveries are duplicates.
+pub async fn consumer_nested_rollback_keeps_the_claim<DB: ConformanceDb>(h: Harness<DB>) {
+    let consumer = Consumer::new(h.pool.clone(), "stock");
+    let runs = AtomicUsize::new(0);
+    for _ in 0..3 {
+        let runs = &runs;
+        let delivered = consumer
+            .process("evt-1", PAYLOAD, |tx| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let mut conn = tx.lock().expect("the transaction");
+                let id = DB::insert_order(&mut conn, "consumer", 2).await?;
+                let mut nested = sqlx::Connection::begin(&mut *conn).await?;
+                DB::insert_order(&mut nested, "nested", 1).await?;
+                nested.rollback().await?;
+                Ok::<_, sqlx::Error>(id)
+            })
+            .await;
+        assert!(
+            matches!(
+                delivered,
+                Ok(Processed::Applied(_) | Processed::Duplicate)
+            ),
+            "{delivered:?}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "applied once in three deliveries");
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+}

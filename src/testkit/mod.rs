@@ -208,6 +208,17 @@ async fn create_order<DB: ConformanceDb>(
                 .into_response();
         }
     }
+    // A nested transaction on the claimed one, as sqlx idioms (and the
+    // libraries a handler calls) open them: a savepoint, whatever ends it.
+    if let Some(end) = req.mode.strip_prefix("nested_") {
+        let mut nested = sqlx::Connection::begin(&mut *conn).await.unwrap();
+        DB::insert_order(&mut nested, "nested", 1).await.unwrap();
+        match end {
+            "commit" => nested.commit().await.unwrap(),
+            "rollback" => nested.rollback().await.unwrap(),
+            _ => drop(nested),
+        }
+    }
     if req.sleep_ms > 0 {
         tokio::time::sleep(Duration::from_millis(req.sleep_ms)).await;
     }
@@ -511,6 +522,7 @@ macro_rules! conformance_suite {
             waiting_is_bounded_and_leaves_the_pool_to_others,
             busy_store_is_503_not_in_flight,
             handler_that_ends_the_transaction_is_held_for_reconciliation,
+            nested_transactions_in_the_handler_are_savepoints,
             stricter_isolation_keeps_the_guarantees,
             migrations_upgrade_in_place_and_run_concurrently,
             dropped_futures_leave_a_clean_connection,
@@ -560,6 +572,7 @@ macro_rules! conformance_suite {
             consumer_refuses_ids_the_store_cannot_hold,
             consumer_longest_durations_still_process,
             consumer_and_http_scopes_never_meet,
+            consumer_nested_rollback_keeps_the_claim,
         );
     };
 }

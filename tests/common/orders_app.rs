@@ -1,6 +1,6 @@
 //! A fresh PostgreSQL database with the ledger and an `orders` table, and
 //! requests to an app behind the layer there. Shared by
-//! `tests/server_errors.rs` and `tests/nested_begin.rs`.
+//! `tests/server_errors.rs` and `tests/pg_session_hazards.rs`.
 
 use std::convert::Infallible;
 

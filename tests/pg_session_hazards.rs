@@ -1,0 +1,161 @@
+//! Issue 25, on PostgreSQL: nothing of the caller's session and nothing a
+//! principal chooses changes what the ledger does. A caller's
+//! `bytea_output` never stops a replay; a principal crafted against a
+//! session in `SJIS` with `backslash_quote = on` runs no statement of its
+//! own; and a principal can never make another principal's claim wait
+//! through a colliding scope lock. Judged by the rows committed and by
+//! which request finished first, never by a clock.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio::sync::Notify;
+use tower::util::BoxCloneService;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Principal, Tx};
+
+#[path = "common/orders_app.rs"]
+mod orders_app;
+
+use orders_app::orders_db;
+
+type App = BoxCloneService<Request<String>, Response<IdempotencyBody<String>>, Infallible>;
+
+/// An app whose handler writes one order and answers 201 with a body of
+/// every byte value; a request with `x-hold: 1` first waits on `hold`.
+fn app(pool: PgPool, hold: Arc<Notify>) -> App {
+    let service = ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(pool))
+        .service_fn(move |req: Request<IdempotencyBody<String>>| {
+            let hold = Arc::clone(&hold);
+            async move {
+                let tx = req.extensions().get::<Tx<sqlx::Postgres>>().cloned().unwrap();
+                {
+                    let mut conn = tx.lock().unwrap();
+                    sqlx::query("INSERT INTO orders (n) VALUES (1)")
+                        .execute(&mut *conn)
+                        .await
+                        .unwrap();
+                }
+                if req.headers().contains_key("x-hold") {
+                    hold.notified().await;
+                }
+                let body: String = (0u8..128).map(char::from).collect();
+                Ok::<_, Infallible>(Response::builder().status(201).body(body).unwrap())
+            }
+        });
+    BoxCloneService::new(service)
+}
+
+async fn send(app: App, principal: &str, key: &str, hold: bool) -> (StatusCode, Vec<u8>) {
+    let mut req = Request::post("/orders")
+        .header("idempotency-key", format!("\"{key}\""))
+        .header("content-type", "application/json");
+    if hold {
+        req = req.header("x-hold", "1");
+    }
+    let mut req = req.body("{}".to_string()).unwrap();
+    req.extensions_mut().insert(Principal::new(principal));
+    let res = app.oneshot(req).await.unwrap();
+    let status = res.status();
+    let body = res.into_body().collect().await.unwrap().to_bytes().to_vec();
+    (status, body)
+}
+
+async fn count(pool: &PgPool, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
+
+/// A pool whose every connection runs `setup` first (the caller's own
+/// session settings).
+async fn pool_with(url: &str, setup: &'static str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(4)
+        .after_connect(move |conn, _| {
+            Box::pin(async move { sqlx::raw_sql(setup).execute(conn).await.map(drop) })
+        })
+        .connect(url)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_bytea_output_never_stops_a_replay() {
+    let (url, _drop) = orders_db().await;
+    let pool = pool_with(&url, "SET bytea_output = 'escape'").await;
+    let app = app(pool.clone(), Arc::new(Notify::new()));
+    let (first, body) = send(app.clone(), "user-42", "k-1", false).await;
+    assert_eq!(first, StatusCode::CREATED);
+    let (replay, replayed) = send(app.clone(), "user-42", "k-1", false).await;
+    assert_eq!(replay, StatusCode::CREATED, "the replay is served");
+    assert_eq!(replayed, body, "byte for byte");
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crafted_principal_runs_no_statement_of_its_own() {
+    let (url, _drop) = orders_db().await;
+    let pool = pool_with(
+        &url,
+        "SET client_encoding = 'SJIS'; SET backslash_quote = on",
+    )
+    .await;
+    let app = app(pool.clone(), Arc::new(Notify::new()));
+    // `Á` ends in 0x81, an SJIS lead byte that swallows the backslash an
+    // escaper doubles: the literal would close early and the rest run.
+    let crafted = "\u{c1}\\', E'', E'', E''::bytea, 0, 1); \
+                   CREATE TABLE injected_by_a_principal (x INT); --";
+    let _ = send(app.clone(), crafted, "k-1", false).await;
+    let _ = send(app.clone(), crafted, "k-1", false).await;
+    let injected = count(
+        &pool,
+        "SELECT count(*) FROM pg_class WHERE relname = 'injected_by_a_principal'",
+    )
+    .await;
+    assert_eq!(injected, 0, "a principal ran a statement of its own");
+    assert!(
+        count(&pool, "SELECT count(*) FROM orders").await <= 1,
+        "one order at most"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_principal_never_waits_on_another_principals_scope() {
+    let (url, _drop) = orders_db().await;
+    let pool = PgPool::connect(&url).await.unwrap();
+    // Two scopes of two principals whose 32-bit `hashtext` meet (what the
+    // lock keyed on before ledger v8): found among 2 × 200 000 keys.
+    let pair: Option<(String, String)> = sqlx::query_as(
+        "SELECT min(k) FILTER (WHERE p = 'alice'), min(k) FILTER (WHERE p = 'bob') \
+         FROM (SELECT p, p || '-' || g AS k, \
+           hashtext(p || E'\\n' || 'POST /orders' || E'\\n' || p || '-' || g) AS h \
+           FROM unnest(ARRAY['alice', 'bob']) p, generate_series(1, 200000) g) s \
+         GROUP BY h HAVING count(DISTINCT p) = 2 LIMIT 1",
+    )
+    .fetch_optional(&pool)
+    .await
+    .unwrap();
+    let (alice_key, bob_key) = pair.expect("a colliding pair among 4e10 pairs");
+    let hold = Arc::new(Notify::new());
+    let app = app(pool.clone(), Arc::clone(&hold));
+    // Alice's request holds its claim until Bob's has answered.
+    let alice = {
+        let app = app.clone();
+        tokio::spawn(async move { send(app, "alice", &alice_key, true).await })
+    };
+    while count(&pool, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").await == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (bob, _) = send(app.clone(), "bob", &bob_key, false).await;
+    assert!(!alice.is_finished(), "Alice's request still holds its scope");
+    hold.notify_one();
+    let (alice, _) = alice.await.unwrap();
+    assert_eq!(bob, StatusCode::CREATED, "Bob's first execution ran at once");
+    assert_eq!(alice, StatusCode::CREATED);
+    assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 2);
+}
