@@ -34,6 +34,9 @@ pub(crate) struct Config {
     pub(crate) read_first: bool,
     pub(crate) resource_link: Option<ResourceLinkFn>,
     pub(crate) isolation: IsolationLevel,
+    /// Whether the pool keeps a statement cache (see
+    /// [`caches_statements`](crate::store::caches_statements)).
+    pub(crate) cached_statements: bool,
     pub(crate) max_waiting: usize,
     pub(crate) waiters: Arc<tokio::sync::Semaphore>,
     pub(crate) lease: Option<LeaseMode>,

@@ -241,6 +241,7 @@ pub struct Consumer<DB: Backend> {
     lock_wait: Duration,
     check_payload: bool,
     isolation: IsolationLevel,
+    cached_statements: bool,
 }
 
 impl<DB: Backend> Clone for Consumer<DB> {
@@ -271,6 +272,7 @@ impl<DB: Backend> Consumer<DB> {
     /// checking payloads.
     pub fn new(pool: Pool<DB>, subscriber: impl Into<String>) -> Self {
         Self {
+            cached_statements: crate::store::caches_statements(&pool),
             pool,
             subscriber: bounded(&subscriber.into()).into_owned(),
             retention: Duration::from_secs(7 * 24 * 3600),
@@ -407,6 +409,7 @@ impl<DB: Backend> Consumer<DB> {
             retention_ms: retention_ms(self.retention),
             lock_wait: Duration::ZERO,
             isolation: self.isolation,
+            cached_statements: self.cached_statements,
         };
         match DB::finish(&self.pool, tx, &claim, &done).await {
             Ok(_) => {
@@ -438,6 +441,7 @@ impl<DB: Backend> Consumer<DB> {
                 retention_ms: retention_ms(self.retention),
                 lock_wait: left.max(Duration::from_millis(1)),
                 isolation: self.isolation,
+                cached_statements: self.cached_statements,
             };
             // The wait for the claim's task is bounded here, whatever the
             // store's own lock wait granularity (SQLite's busy timeout,

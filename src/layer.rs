@@ -52,6 +52,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// table first with [`migrate`](crate::migrate).
     pub fn new(pool: Pool<DB>) -> Self {
         let max_waiting = default_max_waiting(pool.options().get_max_connections());
+        let cached_statements = crate::store::caches_statements(&pool);
         Self {
             pool,
             config: Config {
@@ -75,6 +76,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 resource_link: None,
                 local: Arc::default(),
                 isolation: IsolationLevel::default(),
+                cached_statements,
                 max_waiting,
                 waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
                 lease: None,

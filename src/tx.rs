@@ -14,27 +14,27 @@
 //!   committed. Locking is never a wait: a handle that is already locked, or
 //!   whose transaction the layer has already taken back, is an error.
 //! - Do not spawn tasks that outlive the handler with the handle.
-//! - Do not call `begin()` on the guard's connection for nested work; write
-//!   `SAVEPOINT` / `RELEASE SAVEPOINT` statements. On PostgreSQL the claim
-//!   opens the transaction in the same round trip that claims the key, and
-//!   sqlx does not count it as a transaction (it cannot read a statement's
-//!   rows and count the transaction it opens): `begin()` there sends a
-//!   `BEGIN` the server ignores with a warning, and its `commit()` ends the
-//!   layer's transaction, with the claim's `PROCESSING` row: the request is
-//!   then answered `500` `#transaction-ended` and the key held for
-//!   reconciliation, as for any handler that ends the transaction itself,
-//!   and a duplicate meets the committed row and never runs again
-//!   (`tests/nested_begin.rs`).
+//! - Nested transactions are savepoints. The claimed transaction is a
+//!   transaction sqlx counts, on every store: `begin()` on the guard's
+//!   connection (or any library's "run this in a transaction" helper given
+//!   it) takes a savepoint; its `commit()` releases it, its `rollback()` or
+//!   drop rolls back to it. The claim, and what holds the scope against a
+//!   concurrent duplicate, survive all of them; only what the handler's
+//!   outermost work leaves stands when the layer commits.
+//! - Never send a `COMMIT` or `ROLLBACK` statement yourself (or, on
+//!   MySQL/MariaDB, DDL, which commits implicitly). The layer notices it at
+//!   no extra round trip, answers `500` `#transaction-ended` and holds the
+//!   key for reconciliation, keeping what the handler committed; on
+//!   PostgreSQL the scope is unprotected from that statement until the key
+//!   is held.
 //! - On MySQL/MariaDB the claimed transaction runs with `autocommit` off
 //!   (turned back on before the connection returns to the pool), so that
 //!   once the server rolls it back on its own (a deadlock, or on Galera a
 //!   certification conflict), nothing the handler sends afterwards commits
 //!   by itself: the layer rolls it back and answers with the winner's
-//!   recorded answer or a retryable `503`. `begin()` there starts a
-//!   transaction, which commits the layer's open one implicitly (held for
-//!   reconciliation, as above). A handler that sends `ROLLBACK` and
-//!   then commits writes of its own cannot be told from such a rollback:
-//!   those writes stay without a ledger row.
+//!   recorded answer or a retryable `503`. A handler that sends `ROLLBACK`
+//!   and then commits writes of its own cannot be told from such a
+//!   rollback: those writes stay without a ledger row.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;

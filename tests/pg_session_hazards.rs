@@ -34,7 +34,11 @@ fn app(pool: PgPool, hold: Arc<Notify>) -> App {
         .service_fn(move |req: Request<IdempotencyBody<String>>| {
             let hold = Arc::clone(&hold);
             async move {
-                let tx = req.extensions().get::<Tx<sqlx::Postgres>>().cloned().unwrap();
+                let tx = req
+                    .extensions()
+                    .get::<Tx<sqlx::Postgres>>()
+                    .cloned()
+                    .unwrap();
                 {
                     let mut conn = tx.lock().unwrap();
                     sqlx::query("INSERT INTO orders (n) VALUES (1)")
@@ -148,14 +152,27 @@ async fn a_principal_never_waits_on_another_principals_scope() {
         let app = app.clone();
         tokio::spawn(async move { send(app, "alice", &alice_key, true).await })
     };
-    while count(&pool, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").await == 0 {
+    while count(
+        &pool,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'",
+    )
+    .await
+        == 0
+    {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let (bob, _) = send(app.clone(), "bob", &bob_key, false).await;
-    assert!(!alice.is_finished(), "Alice's request still holds its scope");
+    assert!(
+        !alice.is_finished(),
+        "Alice's request still holds its scope"
+    );
     hold.notify_one();
     let (alice, _) = alice.await.unwrap();
-    assert_eq!(bob, StatusCode::CREATED, "Bob's first execution ran at once");
+    assert_eq!(
+        bob,
+        StatusCode::CREATED,
+        "Bob's first execution ran at once"
+    );
     assert_eq!(alice, StatusCode::CREATED);
     assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 2);
 }

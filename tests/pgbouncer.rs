@@ -4,13 +4,14 @@
 //! (`.ci/run` installs the package), pointed at `PG_URL`'s server, and
 //! stops it when the test process ends.
 //!
-//! What the application's pool needs there: nothing special for the
-//! ledger's own statements (the PostgreSQL backend sends only simple
-//! queries with literals, no prepared statements). The application's own
-//! statements through PgBouncer before 1.21 must not be named prepared
-//! statements (`sqlx::query(..).persistent(false)` inside the claimed
-//! transaction, simple queries outside one); PgBouncer 1.21 and later
-//! track prepared statements with `max_prepared_statements`.
+//! What the application's pool needs there: before PgBouncer 1.21 (Debian
+//! 12 ships 1.18), no named prepared statements, so the pool's statement
+//! cache is off (`PgConnectOptions::statement_cache_capacity(0)`, or
+//! `?statement-cache-capacity=0` in the URL, as here). The ledger's
+//! prepared statements outside a claimed transaction then run in a
+//! transaction of their own, so each statement's parse and execution stay
+//! on one server connection. PgBouncer 1.21 and later track prepared
+//! statements with `max_prepared_statements`, and the cache can stay on.
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::Command;
@@ -99,7 +100,7 @@ fn start() -> String {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    format!("postgres://{user}@127.0.0.1:{listen}/{db}")
+    format!("postgres://{user}@127.0.0.1:{listen}/{db}?statement-cache-capacity=0")
 }
 
 tower_idempotency::conformance_suite!(through_pgbouncer, sqlx::Postgres, setup = crate::pgbouncer);

@@ -170,6 +170,7 @@ impl<DB: Backend> Run<DB> {
             retention_ms: retention_ms(cfg.retention),
             lock_wait,
             isolation: cfg.isolation,
+            cached_statements: cfg.cached_statements,
         };
         let outcome = spawn_claim(conn, &claim, permit).await;
         match outcome {

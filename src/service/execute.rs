@@ -299,6 +299,7 @@ impl<DB: Backend> Run<DB> {
             retention_ms: retention_ms(self.config.retention),
             lock_wait: Duration::ZERO,
             isolation: self.config.isolation,
+            cached_statements: self.config.cached_statements,
         }
     }
 }

@@ -79,6 +79,7 @@ impl<DB: Backend> Run<DB> {
                 retention_ms: retention_ms(cfg.retention),
                 lock_wait: left.clamp(Duration::from_millis(1), MIN_READ_WAIT),
                 isolation: cfg.isolation,
+                cached_statements: cfg.cached_statements,
             };
             let claim_id = new_claim_id(id.fingerprint.as_bytes());
             let owning = Owning::Claim {

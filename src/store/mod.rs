@@ -1,15 +1,18 @@
 //! The ledger: the `idempotency_records` table and the small backend trait
 //! that talks to it.
 //!
-//! The layer never decides a claim with a read followed by an `if`: a claim
-//! is an insert under the unique key `(principal_id, operation, idem_key)`,
-//! and the database's answer decides. Reads only explain a lost claim.
+//! The layer never decides a claim with a read followed by an `if` alone:
+//! the unique key `(principal_id, operation, idem_key)` decides. SQLite and
+//! MySQL/MariaDB insert the `PROCESSING` row at the claim; PostgreSQL
+//! (ledger v8) holds the scope with a transaction-scoped lock taken before
+//! the read, and writes its one row before the `COMMIT`, where the unique
+//! key still refuses a second row (nothing of that transaction commits).
 //!
 //! Built-in backends (each behind its cargo feature):
 //!
 //! | backend | claim | waiting on an in-flight duplicate |
 //! |---|---|---|
-//! | PostgreSQL | `INSERT … ON CONFLICT DO NOTHING` inside `tower_idempotency_claim` (ledger v6), which returns won, lost (with the committed row) or still in flight as a value, never as an error | the claim waits on the first claimer's transaction advisory lock on the scope, bounded by a `lock_timeout` the function sets for the wait alone and puts back; a wait that runs out is caught inside the function |
+//! | PostgreSQL | with the transaction's `BEGIN`: the scope's transaction advisory lock if free (two `int4` keys, 64 bits of the scope's SHA-256), and a transaction id only when it was taken; then a prepared read of the id and the scope's row. One finished row, prepared, written just before the `COMMIT` | the claim waits on the first claimer's lock in `tower_idempotency_wait` (ledger v8), bounded by a `lock_timeout` set for the wait alone and put back; a wait that runs out is a value, never an error |
 //! | SQLite | `INSERT … ON CONFLICT DO NOTHING` in a `BEGIN IMMEDIATE` transaction | writers are serialized; the wait is the connection's `busy_timeout` (`SqliteConnectOptions::busy_timeout`, 5 s by default), and a busy database answers `503` |
 //! | MySQL/MariaDB | a plain `INSERT`, a duplicate key reported by the driver's unique-violation signal | the insert blocks on the uncommitted row, bounded by `innodb_lock_wait_timeout` set **for that one statement** (`SET STATEMENT … FOR` on MariaDB, the `SET_VAR` hint on MySQL 8), so no session setting ever changes |
 //!
@@ -129,6 +132,20 @@ pub struct Claim<'a> {
     pub lock_wait: Duration,
     /// The isolation level of the claimed transaction.
     pub isolation: IsolationLevel,
+    /// Whether the store's prepared statements may be named and kept on
+    /// the connection ([`caches_statements`] of the pool); `false`: parsed
+    /// afresh on every use and never left on a server connection.
+    pub cached_statements: bool,
+}
+
+/// Whether `pool`'s connections keep sqlx's statement cache (its default).
+/// With the cache off (`statement_cache_capacity(0)`, the setting for
+/// PgBouncer before 1.21 in transaction pooling mode) the ledger's own
+/// prepared statements are unnamed, as the application's must be there:
+/// parsed on every use, never left on a server connection. Read from the
+/// pool's connect options (sqlx has no getter for the capacity).
+pub fn caches_statements<DB: Database>(pool: &Pool<DB>) -> bool {
+    !format!("{:?}", pool.connect_options()).contains("statement_cache_capacity: 0,")
 }
 
 /// Runs a claim on `conn` as a task of its own, so that a caller that goes
@@ -271,6 +288,7 @@ pub(crate) struct OwnedClaim {
     retention_ms: i64,
     lock_wait: Duration,
     isolation: IsolationLevel,
+    cached_statements: bool,
 }
 
 impl OwnedClaim {
@@ -283,6 +301,7 @@ impl OwnedClaim {
             retention_ms: claim.retention_ms,
             lock_wait: claim.lock_wait,
             isolation: claim.isolation,
+            cached_statements: claim.cached_statements,
         }
     }
 
@@ -297,6 +316,7 @@ impl OwnedClaim {
             retention_ms: self.retention_ms,
             lock_wait: self.lock_wait,
             isolation: self.isolation,
+            cached_statements: self.cached_statements,
         }
     }
 }
@@ -623,6 +643,13 @@ pub trait Backend: Database {
     /// hold the database's one write lock), where a transaction found
     /// ended always holds the key for reconciliation.
     const CLAIMS_RUN_WITHOUT_AUTOCOMMIT: bool = false;
+
+    /// Whether the ledger's prepared statements outside a claim run in a
+    /// transaction of their own: `true` for PostgreSQL, where a statement
+    /// prepared without sqlx's statement cache takes two round trips that
+    /// a transaction-pooling proxy (PgBouncer before 1.21) could send to
+    /// two server connections.
+    const PREPARED_IN_TRANSACTIONS: bool = false;
 
     /// Applies the missing versioned migrations, under a lock. Safe to
     /// re-run and to run from several instances at once.
@@ -1009,12 +1036,12 @@ macro_rules! shared_statements {
             keep_ms: i64,
             limit: i64,
         ) -> Result<u64, sqlx::Error> {
-            let done = sqlx::query($expire)
+            let done = $crate::store::on_ledger!($db, pool, |ex| sqlx::query($expire)
+                .persistent($crate::store::caches_statements(pool))
                 .bind(keep_ms)
                 .bind(now)
                 .bind(limit)
-                .execute(pool)
-                .await?;
+                .execute(ex));
             Ok(done.rows_affected())
         }
 
@@ -1023,11 +1050,11 @@ macro_rules! shared_statements {
             now: Option<i64>,
             limit: i64,
         ) -> Result<u64, sqlx::Error> {
-            let done = sqlx::query($purge)
+            let done = $crate::store::on_ledger!($db, pool, |ex| sqlx::query($purge)
+                .persistent($crate::store::caches_statements(pool))
                 .bind(now)
                 .bind(limit)
-                .execute(pool)
-                .await?;
+                .execute(ex));
             Ok(done.rows_affected())
         }
 
@@ -1035,14 +1062,16 @@ macro_rules! shared_statements {
             pool: &sqlx::Pool<$db>,
             scope: &$crate::store::Scope<'_>,
         ) -> Result<Option<$crate::store::Record>, sqlx::Error> {
-            sqlx::query_as::<_, $crate::store::RecordRow>($fetch)
-                .bind(scope.principal)
-                .bind(scope.operation)
-                .bind(scope.key)
-                .fetch_optional(pool)
-                .await?
-                .map($crate::store::record_from_row)
-                .transpose()
+            $crate::store::on_ledger!($db, pool, |ex| {
+                sqlx::query_as::<_, $crate::store::RecordRow>($fetch)
+                    .persistent($crate::store::caches_statements(pool))
+                    .bind(scope.principal)
+                    .bind(scope.operation)
+                    .bind(scope.key)
+                    .fetch_optional(ex)
+            })
+            .map($crate::store::record_from_row)
+            .transpose()
         }
 
         async fn mark_unresolved(
@@ -1050,20 +1079,42 @@ macro_rules! shared_statements {
             claim: &$crate::store::Claim<'_>,
             response_status: i32,
         ) -> Result<u64, sqlx::Error> {
-            let done = sqlx::query($mark)
+            let done = $crate::store::on_ledger!($db, pool, |ex| sqlx::query($mark)
+                .persistent($crate::store::caches_statements(pool))
                 .bind(claim.scope.principal)
                 .bind(claim.scope.operation)
                 .bind(claim.scope.key)
                 .bind(claim.fingerprint)
                 .bind(response_status)
                 .bind(claim.retention_ms)
-                .execute(pool)
-                .await?;
+                .execute(ex));
             Ok(done.rows_affected())
         }
     };
 }
 use shared_statements;
+
+/// Runs one prepared ledger statement (`$body`, on the executor `$ex`)
+/// outside any claim: where [`Backend::PREPARED_IN_TRANSACTIONS`], in a
+/// transaction of its own, so that a transaction-pooling proxy keeps its
+/// parse and its execution on one server connection.
+macro_rules! on_ledger {
+    ($db:ty, $pool:expr, |$ex:ident| $body:expr) => {
+        if <$db as $crate::store::Backend>::PREPARED_IN_TRANSACTIONS {
+            let mut tx = $pool.begin().await?;
+            let out = {
+                let $ex = &mut *tx;
+                $body.await?
+            };
+            tx.commit().await?;
+            out
+        } else {
+            let $ex = $pool;
+            $body.await?
+        }
+    };
+}
+pub(crate) use on_ledger;
 
 /// Stamps out the versioned migration runner for a backend: `$create`
 /// runs on `$conn` first (and takes the backend's migration lock where it

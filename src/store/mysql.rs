@@ -143,7 +143,8 @@ impl Backend for MySql {
         // The batch is the transaction's start, so sqlx counts the claimed
         // transaction (a handler's nested `begin()` is a savepoint).
         let mut begun = Claimed::begin(conn, AssertSqlSafe(first).into_sql_str(), end_claim).await;
-        if waits && let Err((e, _)) = &begun
+        if waits
+            && let Err((e, _)) = &begun
             && number(e) == Some(1193)
         {
             // The batch stopped at its first statement: nothing changed yet.

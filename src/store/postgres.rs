@@ -65,6 +65,8 @@ const RECORD: &str = concat!(
 );
 
 impl Backend for Postgres {
+    const PREPARED_IN_TRANSACTIONS: bool = true;
+
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
         // One transaction: PostgreSQL's DDL is transactional, and the
         // advisory lock (released at commit) serializes concurrent callers.
@@ -115,7 +117,7 @@ impl Backend for Postgres {
         // then read again.
         let mut waited = false;
         let outcome = loop {
-            let read = claim_read(&mut tx, &claim.scope).await;
+            let read = claim_read(&mut tx, claim).await;
             let (xid, record) = match read {
                 Ok(read) => read,
                 Err(e) => {
@@ -134,6 +136,7 @@ impl Backend for Postgres {
                     waited = true;
                     let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128) as i32;
                     let got: Result<bool, _> = sqlx::query_scalar(WAIT)
+                        .persistent(claim.cached_statements)
                         .bind(k1)
                         .bind(k2)
                         .bind(ms)
@@ -178,7 +181,9 @@ impl Backend for Postgres {
         // business error first undoes the business writes.
         let Some(xid) = tx.xid else {
             tx.discard();
-            return Err(sqlx::Error::Protocol("a claimed transaction without its id".into()).into());
+            return Err(
+                sqlx::Error::Protocol("a claimed transaction without its id".into()).into(),
+            );
         };
         if c.status == RecordStatus::FailedFinal
             && let Err(e) = Self::check_savepoint(&mut tx).await
@@ -187,6 +192,7 @@ impl Backend for Postgres {
             return Err(e.into());
         }
         let inserted: Result<Option<i64>, _> = sqlx::query_scalar(RECORD)
+            .persistent(claim.cached_statements)
             .bind(claim.scope.principal)
             .bind(claim.scope.operation)
             .bind(claim.scope.key)
@@ -346,8 +352,7 @@ impl Backend for Postgres {
             DIALECT.write(scope, fence, write)
         );
         let written = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_one(&mut *tx).await;
-        let (expires_at, xid) = match written.and_then(|row| <(Option<i64>, i64)>::from_row(&row))
-        {
+        let (expires_at, xid) = match written.and_then(|row| <(Option<i64>, i64)>::from_row(&row)) {
             Ok((Some(expires_at), xid)) => (expires_at, xid),
             Ok((None, _)) => {
                 tx.rollback().await;
@@ -441,12 +446,13 @@ pub(crate) fn scope_lock(scope: &Scope<'_>) -> (i32, i32) {
 /// took the scope's lock, and the scope's committed row.
 async fn claim_read(
     tx: &mut Claimed<Postgres>,
-    scope: &Scope<'_>,
+    claim: &Claim<'_>,
 ) -> Result<(Option<i64>, Option<Record>), sqlx::Error> {
     let row = sqlx::query(CLAIM_READ)
-        .bind(scope.principal)
-        .bind(scope.operation)
-        .bind(scope.key)
+        .persistent(claim.cached_statements)
+        .bind(claim.scope.principal)
+        .bind(claim.scope.operation)
+        .bind(claim.scope.key)
         .fetch_one(&mut **tx)
         .await?;
     let xid = row.try_get::<Option<i64>, _>(0)?;
@@ -673,6 +679,18 @@ mod tests {
             xact_status(&pool, aborted + (1 << 40), wait).await,
             XactStatus::Unknown
         );
+    }
+
+    /// The statement cache is read off the pool's options: a guard against
+    /// sqlx changing how they print.
+    #[tokio::test]
+    async fn a_pool_without_a_statement_cache_is_recognised() {
+        use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+        let with = PgPoolOptions::new().connect_lazy_with(PgConnectOptions::new());
+        let without = PgPoolOptions::new()
+            .connect_lazy_with(PgConnectOptions::new().statement_cache_capacity(0));
+        assert!(crate::store::caches_statements(&with));
+        assert!(!crate::store::caches_statements(&without));
     }
 
     #[test]

@@ -1284,9 +1284,7 @@ pub async fn handler_that_ends_the_transaction_is_held_for_reconciliation<DB: Co
 /// claim and what holds the scope survive, a duplicate sent meanwhile on
 /// another instance never runs the handler and replays, and only the
 /// nested work the handler committed is kept.
-pub async fn nested_transactions_in_the_handler_are_savepoints<DB: ConformanceDb>(
-    h: Harness<DB>,
-) {
+pub async fn nested_transactions_in_the_handler_are_savepoints<DB: ConformanceDb>(h: Harness<DB>) {
     let mut expected_orders = 0;
     for (mode, orders) in [
         ("nested_rollback", 1),

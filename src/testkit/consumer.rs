@@ -385,14 +385,15 @@ pub async fn consumer_nested_rollback_keeps_the_claim<DB: ConformanceDb>(h: Harn
             })
             .await;
         assert!(
-            matches!(
-                delivered,
-                Ok(Processed::Applied(_) | Processed::Duplicate)
-            ),
+            matches!(delivered, Ok(Processed::Applied(_) | Processed::Duplicate)),
             "{delivered:?}"
         );
     }
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "applied once in three deliveries");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "applied once in three deliveries"
+    );
     assert_eq!(h.orders().await, 1);
     assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
 }
