@@ -130,18 +130,126 @@ async fn principal(mut req: axum::extract::Request, next: axum::middleware::Next
     next.run(req).await
 }
 
-fn app(pool: PgPool, with_layer: bool) -> Router {
-    if with_layer {
-        Router::new()
+/// What serves `POST /orders`: the bare transaction, the layer as built,
+/// or a candidate ledger design written by hand around the same business
+/// writes (for its cost only: no waits, no classification, no replay).
+#[derive(Clone, Copy, PartialEq)]
+enum Route {
+    Bare,
+    Layer,
+    /// Ledger v6 (the release before): the claim and recording functions,
+    /// called in one simple query each with literal arguments, the claim
+    /// riding with `BEGIN`, the recording with `COMMIT`, on a raw connection.
+    V6,
+    /// Two prepared writes on a sqlx transaction: the `PROCESSING` row at
+    /// the claim, updated before the `COMMIT`.
+    TwoWrites,
+}
+
+fn app(pool: PgPool, route: Route) -> Router {
+    match route {
+        Route::Layer => Router::new()
             .route(
                 "/orders",
                 post(layered).layer(IdempotencyLayer::new(pool.clone())),
             )
             .layer(axum::middleware::from_fn(principal))
-            .with_state(pool)
-    } else {
-        Router::new().route("/orders", post(bare)).with_state(pool)
+            .with_state(pool),
+        Route::Bare => Router::new().route("/orders", post(bare)).with_state(pool),
+        Route::V6 => Router::new()
+            .route("/orders", post(candidate_v6))
+            .with_state(pool),
+        Route::TwoWrites => Router::new()
+            .route("/orders", post(candidate_two_writes))
+            .with_state(pool),
     }
+}
+
+fn key_of(headers: &http::HeaderMap) -> String {
+    headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("none")
+        .to_string()
+}
+
+/// The recorded answer's body, as a candidate stores it.
+const ANSWER: &[u8] = br#"{"orderId":"o-1","principal":"user-42","amount":12000}"#;
+
+async fn candidate_v6(
+    State(pool): State<PgPool>,
+    headers: http::HeaderMap,
+    Json(order): Json<CreateOrder>,
+) -> Response {
+    // The bench's own keys are `k-<digits>`: nothing to escape.
+    let key = key_of(&headers);
+    let run = async {
+        let mut conn = pool.acquire().await?;
+        let claim = format!(
+            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+             SELECT claimed FROM tower_idempotency_claim(E'user-42', E'POST /orders', E'{key}', \
+             E'\\\\x{fp}'::bytea, 86400000, 50); BEGIN; SAVEPOINT tower_idempotency_claimed",
+            fp = "ab".repeat(32),
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(claim))
+            .fetch_one(&mut *conn)
+            .await?;
+        let res = business(&mut conn, "user-42", &order).await?;
+        let body: String = ANSWER.iter().map(|b| format!("{b:02x}")).collect();
+        let finish = format!(
+            "RELEASE SAVEPOINT tower_idempotency_claimed; \
+             SELECT tower_idempotency_finish(E'user-42', E'POST /orders', E'{key}', 'SUCCEEDED', \
+             201, E'\\\\x'::bytea, E'\\\\x{body}'::bytea, NULL), txid_current(); COMMIT"
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(finish))
+            .fetch_all(&mut *conn)
+            .await?;
+        Ok::<_, sqlx::Error>(res)
+    };
+    run.await
+        .unwrap_or_else(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response())
+}
+
+async fn candidate_two_writes(
+    State(pool): State<PgPool>,
+    headers: http::HeaderMap,
+    Json(order): Json<CreateOrder>,
+) -> Response {
+    let key = key_of(&headers);
+    let run = async {
+        let mut tx = pool.begin().await?;
+        sqlx::query(
+            "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
+             request_fingerprint, status, created_at, expires_at) VALUES ($1, $2, $3, $4, \
+             'PROCESSING', (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT, \
+             (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT + $5) \
+             ON CONFLICT DO NOTHING",
+        )
+        .bind("user-42")
+        .bind("POST /orders")
+        .bind(&key)
+        .bind(&[0xab_u8; 32][..])
+        .bind(86_400_000_i64)
+        .execute(&mut *tx)
+        .await?;
+        let res = business(&mut tx, "user-42", &order).await?;
+        sqlx::query(
+            "UPDATE idempotency_records SET status = 'SUCCEEDED', response_status = 201, \
+             response_headers = $4, response_body = $5 \
+             WHERE principal_id = $1 AND operation = $2 AND idem_key = $3",
+        )
+        .bind("user-42")
+        .bind("POST /orders")
+        .bind(&key)
+        .bind(&b""[..])
+        .bind(ANSWER)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(res)
+    };
+    run.await
+        .unwrap_or_else(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response())
 }
 
 /// A server on its own pool; closing the pool flushes its backends' stats.
@@ -151,19 +259,85 @@ struct Server {
     task: tokio::task::JoinHandle<()>,
 }
 
-async fn serve(url: &str, with_layer: bool) -> Server {
-    let pool = PgPoolOptions::new()
-        .max_connections(16)
-        .connect(url)
-        .await
-        .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let router = app(pool.clone(), with_layer);
-    let task = tokio::spawn(async move {
+/// The service's own runtime, on threads named `svc`, so that its CPU is
+/// told apart from the load generator's in the same process.
+fn service_runtime() -> &'static tokio::runtime::Runtime {
+    static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("svc")
+            .enable_all()
+            .build()
+            .unwrap()
+    })
+}
+
+async fn serve(url: &str, route: Route) -> Server {
+    let url = url.to_string();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let task = service_runtime().spawn(async move {
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .connect(&url)
+            .await
+            .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = app(pool.clone(), route);
+        let _ = tx.send((addr, pool));
         axum::serve(listener, router).await.unwrap();
     });
+    let (addr, pool) = rx.await.unwrap();
     Server { addr, pool, task }
+}
+
+/// CPU time so far, in microseconds: this process's `svc` threads (the
+/// service), its other threads (the load generator), and every PostgreSQL
+/// process (backends and the server's own).
+fn cpu_now() -> (f64, f64, f64) {
+    fn ticks(stat: &str) -> Option<(String, u64)> {
+        let open = stat.find('(')?;
+        let close = stat.rfind(')')?;
+        let comm = stat[open + 1..close].to_string();
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        let utime: u64 = fields.get(11)?.parse().ok()?;
+        let stime: u64 = fields.get(12)?.parse().ok()?;
+        Some((comm, utime + stime))
+    }
+    let us_per_tick = 1e6 / 100.0;
+    let (mut svc, mut other) = (0u64, 0u64);
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        for t in tasks.flatten() {
+            if let Some((comm, n)) = std::fs::read_to_string(t.path().join("stat"))
+                .ok()
+                .and_then(|s| ticks(&s))
+            {
+                if comm.starts_with("svc") {
+                    svc += n;
+                } else {
+                    other += n;
+                }
+            }
+        }
+    }
+    let mut pg = 0u64;
+    if let Ok(procs) = std::fs::read_dir("/proc") {
+        for p in procs.flatten() {
+            if let Some((comm, n)) = std::fs::read_to_string(p.path().join("stat"))
+                .ok()
+                .and_then(|s| ticks(&s))
+                && comm.starts_with("postgres")
+            {
+                pg += n;
+            }
+        }
+    }
+    (
+        svc as f64 * us_per_tick,
+        other as f64 * us_per_tick,
+        pg as f64 * us_per_tick,
+    )
 }
 
 impl Server {
@@ -368,14 +542,22 @@ async fn main() {
     println!("|---|---|---|---|---|---|---|");
     let mut plot: Vec<Point> = Vec::new();
     let mut work = Vec::new();
+    let mut cpu = Vec::new();
     // Errors and warnings the server logged for the bench's database.
     let mut log = pg_log::ServerLog::open();
     for &conc in &CONCURRENCY {
         let scenarios = [
-            ("baseline (no layer)", false, Keys::None),
-            ("first execution", true, Keys::Unique),
-            ("replay", true, Keys::One),
+            ("baseline (no layer)", Route::Bare, Keys::None),
+            ("first execution", Route::Layer, Keys::Unique),
+            ("replay", Route::Layer, Keys::One),
+            ("candidate: v6 functions", Route::V6, Keys::Unique),
+            (
+                "candidate: two prepared writes",
+                Route::TwoWrites,
+                Keys::Unique,
+            ),
         ];
+        let mut spent = [(0.0, 0.0, 0.0); 5];
         let mut measured: Vec<(&str, Run, PgStats, usize)> = scenarios
             .iter()
             .map(|s| {
@@ -394,8 +576,8 @@ async fn main() {
             .collect();
         // Rounds interleave the scenarios so drift on a shared machine hits all alike.
         for _round in 0..ROUNDS {
-            for (i, &(_, layer, keys)) in scenarios.iter().enumerate() {
-                let server = serve(&url, layer).await;
+            for (i, &(_, route, keys)) in scenarios.iter().enumerate() {
+                let server = serve(&url, route).await;
                 if matches!(keys, Keys::One) {
                     load(server.addr, 1, Keys::One, ORDER, Duration::from_millis(100)).await;
                 }
@@ -403,7 +585,12 @@ async fn main() {
                 if let Some(log) = &mut log {
                     log.problems(&db);
                 }
+                let (svc0, load0, pg0) = cpu_now();
                 let run = load(server.addr, conc, keys, ORDER, PHASE).await;
+                let (svc1, load1, pg1) = cpu_now();
+                spent[i].0 += svc1 - svc0;
+                spent[i].1 += load1 - load0;
+                spent[i].2 += pg1 - pg0;
                 server.stop().await;
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 let after = pg_stats(&admin, &db).await;
@@ -413,6 +600,24 @@ async fn main() {
             }
         }
         let base = measured[0].1.rps();
+        let per = |i: usize| {
+            let n = measured[i].1.requests.max(1) as f64;
+            let (svc, load, pg) = spent[i];
+            (svc / n, load / n, pg / n)
+        };
+        let base_cpu = {
+            let (svc, _, pg) = per(0);
+            svc + pg
+        };
+        for (i, (name, run, _, _)) in measured.iter().enumerate() {
+            let (svc, load, pg) = per(i);
+            cpu.push(format!(
+                "| {name} | {conc} | {svc:.0} | {pg:.0} | {:.0} | {load:.0} | {:.2} | {:.2} |",
+                svc + pg,
+                base_cpu / (svc + pg),
+                run.rps() / base,
+            ));
+        }
         for (name, run, delta, errors) in &measured {
             println!(
                 "| {name} | {conc} | {:.0} | {:.2} | {:.2} | {:.2} | {:?} |",
@@ -454,6 +659,18 @@ async fn main() {
     println!("|---|---|---|---|---|---|---|---|");
     for w in &work {
         println!("{w}");
+    }
+    println!();
+    println!(
+        "CPU per completed request, µs, by process (the service's threads, PostgreSQL's processes, the load generator's threads), and the ratios to the baseline it implies (CPU) and measured (throughput):"
+    );
+    println!();
+    println!(
+        "| route | concurrency | service | PostgreSQL | service + PostgreSQL | load generator | CPU ratio | throughput ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for c in &cpu {
+        println!("{c}");
     }
 
     let pg: std::net::SocketAddr = {
@@ -517,18 +734,25 @@ async fn wal_bytes(admin: &str, from: &str, to: &str) -> i64 {
 
 /// Round trips and WAL bytes per request, one client, sequential requests,
 /// through a relay without delay. Figures that do not depend on machine
-/// noise: the target is a first execution = the baseline, a replay = 1.
+/// noise.
 async fn round_trips_and_wal(admin: &str, db: &str, pg: std::net::SocketAddr) {
     const N: u64 = 200;
-    let scenarios: [(&str, bool, Keys, &'static str); 4] = [
-        ("baseline (no layer)", false, Keys::None, ORDER),
-        ("first execution", true, Keys::Unique, ORDER),
-        ("replay", true, Keys::One, ORDER),
+    let scenarios: [(&str, Route, Keys, &'static str); 6] = [
+        ("baseline (no layer)", Route::Bare, Keys::None, ORDER),
+        ("first execution", Route::Layer, Keys::Unique, ORDER),
+        ("replay", Route::Layer, Keys::One, ORDER),
         (
             "final business error (409 recorded)",
-            true,
+            Route::Layer,
             Keys::Unique,
             SHORT,
+        ),
+        ("candidate: v6 functions", Route::V6, Keys::Unique, ORDER),
+        (
+            "candidate: two prepared writes",
+            Route::TwoWrites,
+            Keys::Unique,
+            ORDER,
         ),
     ];
     println!();
@@ -599,7 +823,7 @@ fn designs(loopback: &[Point]) {
         ),
         (
             "v6",
-            "ledger v6 (built): advisory lock on the scope and the `PROCESSING` row in the claim function, savepoint; the row updated by the recording function with the `COMMIT`",
+            "ledger v6 (the release before): advisory lock on the scope and the `PROCESSING` row in the claim function, savepoint; the row updated by the recording function with the `COMMIT`",
         ),
         (
             "v6_nosp",
@@ -607,7 +831,7 @@ fn designs(loopback: &[Point]) {
         ),
         (
             "one_write",
-            "advisory lock and a read, then the finished row inserted with the `COMMIT` (not chosen: nothing holds the key while the handler runs)",
+            "advisory lock and a read, then the finished row inserted with the `COMMIT` (the shape ledger v8 builds, here as literal simple queries; v8 sends the read and the row as prepared statements of their own)",
         ),
     ];
     let mut ratios: Vec<Vec<String>> = vec![Vec::new(); what.len()];
@@ -643,8 +867,8 @@ fn designs(loopback: &[Point]) {
             .iter()
             .map(|p| match *name {
                 "bare" => "1.00".to_string(),
-                "v6" => format!("{:.2}", p.first / p.base),
-                _ => "not built".to_string(),
+                "one_write" => format!("{:.2} (v8)", p.first / p.base),
+                _ => "(see the CPU table)".to_string(),
             })
             .collect();
         println!(
@@ -674,7 +898,15 @@ async fn at_a_distance(db: &str, pg: std::net::SocketAddr, delay: Duration, loop
             // A-B then B-A.
             let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
             for which in order {
-                let server = serve(&url, which == 1).await;
+                let server = serve(
+                    &url,
+                    if which == 1 {
+                        Route::Layer
+                    } else {
+                        Route::Bare
+                    },
+                )
+                .await;
                 let keys = if which == 1 { Keys::Unique } else { Keys::None };
                 let run = load(server.addr, conc, keys, ORDER, PHASE).await;
                 server.stop().await;
@@ -700,7 +932,7 @@ async fn at_a_distance(db: &str, pg: std::net::SocketAddr, delay: Duration, loop
 /// 100 concurrent duplicates of one key while other keys flow: exactly one
 /// execution per burst, and the other keys' p99 against a run without bursts.
 async fn storm(url: &str) {
-    let server = serve(url, true).await;
+    let server = serve(url, Route::Layer).await;
     let calm = load(server.addr, 8, Keys::Unique, ORDER, PHASE).await;
     let addr = server.addr;
     let bursts = tokio::spawn(async move {

@@ -1,5 +1,5 @@
 //! The connection dies *during* `COMMIT` (PostgreSQL). The layer read the
-//! transaction's id (`txid_current()`) in the batch that commits, and asks
+//! transaction's id (`txid_current()`) before the `COMMIT`, and asks
 //! the server on a fresh connection what became of it (`txid_status`, the
 //! `pg_xact_status` of every version): aborted is a retryable 503,
 //! committed is the handler's answer, still running is a 409 to retry

@@ -644,12 +644,12 @@ pub trait Backend: Database {
     /// ended always holds the key for reconciliation.
     const CLAIMS_RUN_WITHOUT_AUTOCOMMIT: bool = false;
 
-    /// Whether the ledger's prepared statements outside a claim run in a
-    /// transaction of their own: `true` for PostgreSQL, where a statement
-    /// prepared without sqlx's statement cache takes two round trips that
-    /// a transaction-pooling proxy (PgBouncer before 1.21) could send to
-    /// two server connections.
-    const PREPARED_IN_TRANSACTIONS: bool = false;
+    /// Whether the ledger's unnamed prepared statements (a pool without a
+    /// statement cache, see [`caches_statements`]) outside a claim run in a
+    /// transaction of their own: `true` for PostgreSQL, where such a
+    /// statement takes two round trips that a transaction-pooling proxy
+    /// (PgBouncer before 1.21) could send to two server connections.
+    const UNNAMED_IN_TRANSACTIONS: bool = false;
 
     /// Applies the missing versioned migrations, under a lock. Safe to
     /// re-run and to run from several instances at once.
@@ -1036,8 +1036,8 @@ macro_rules! shared_statements {
             keep_ms: i64,
             limit: i64,
         ) -> Result<u64, sqlx::Error> {
-            let done = $crate::store::on_ledger!($db, pool, |ex| sqlx::query($expire)
-                .persistent($crate::store::caches_statements(pool))
+            let done = $crate::store::on_ledger!($db, pool, |ex, cached| sqlx::query($expire)
+                .persistent(cached)
                 .bind(keep_ms)
                 .bind(now)
                 .bind(limit)
@@ -1050,8 +1050,8 @@ macro_rules! shared_statements {
             now: Option<i64>,
             limit: i64,
         ) -> Result<u64, sqlx::Error> {
-            let done = $crate::store::on_ledger!($db, pool, |ex| sqlx::query($purge)
-                .persistent($crate::store::caches_statements(pool))
+            let done = $crate::store::on_ledger!($db, pool, |ex, cached| sqlx::query($purge)
+                .persistent(cached)
                 .bind(now)
                 .bind(limit)
                 .execute(ex));
@@ -1062,9 +1062,9 @@ macro_rules! shared_statements {
             pool: &sqlx::Pool<$db>,
             scope: &$crate::store::Scope<'_>,
         ) -> Result<Option<$crate::store::Record>, sqlx::Error> {
-            $crate::store::on_ledger!($db, pool, |ex| {
+            $crate::store::on_ledger!($db, pool, |ex, cached| {
                 sqlx::query_as::<_, $crate::store::RecordRow>($fetch)
-                    .persistent($crate::store::caches_statements(pool))
+                    .persistent(cached)
                     .bind(scope.principal)
                     .bind(scope.operation)
                     .bind(scope.key)
@@ -1079,8 +1079,8 @@ macro_rules! shared_statements {
             claim: &$crate::store::Claim<'_>,
             response_status: i32,
         ) -> Result<u64, sqlx::Error> {
-            let done = $crate::store::on_ledger!($db, pool, |ex| sqlx::query($mark)
-                .persistent($crate::store::caches_statements(pool))
+            let done = $crate::store::on_ledger!($db, pool, |ex, cached| sqlx::query($mark)
+                .persistent(cached)
                 .bind(claim.scope.principal)
                 .bind(claim.scope.operation)
                 .bind(claim.scope.key)
@@ -1094,13 +1094,15 @@ macro_rules! shared_statements {
 }
 use shared_statements;
 
-/// Runs one prepared ledger statement (`$body`, on the executor `$ex`)
-/// outside any claim: where [`Backend::PREPARED_IN_TRANSACTIONS`], in a
-/// transaction of its own, so that a transaction-pooling proxy keeps its
-/// parse and its execution on one server connection.
+/// Runs one prepared ledger statement (`$body`, on the executor `$ex`,
+/// named and cached as `$cached` says) outside any claim: unnamed where
+/// [`Backend::UNNAMED_IN_TRANSACTIONS`], in a transaction of its own, so
+/// that a transaction-pooling proxy keeps its parse and its execution on
+/// one server connection.
 macro_rules! on_ledger {
-    ($db:ty, $pool:expr, |$ex:ident| $body:expr) => {
-        if <$db as $crate::store::Backend>::PREPARED_IN_TRANSACTIONS {
+    ($db:ty, $pool:expr, |$ex:ident, $cached:ident| $body:expr) => {{
+        let $cached = $crate::store::caches_statements($pool);
+        if <$db as $crate::store::Backend>::UNNAMED_IN_TRANSACTIONS && !$cached {
             let mut tx = $pool.begin().await?;
             let out = {
                 let $ex = &mut *tx;
@@ -1112,7 +1114,7 @@ macro_rules! on_ledger {
             let $ex = $pool;
             $body.await?
         }
-    };
+    }};
 }
 pub(crate) use on_ledger;
 

@@ -38,16 +38,14 @@ const MIGRATIONS: &[Migration] = migrations!(
 /// The claim's read, prepared (round trip 2): the transaction's id when
 /// round trip 1 took the scope's lock (`NULL`: another transaction holds
 /// it), and the scope's committed row, as `fetch` reads it.
-const CLAIM_READ: &str = concat!(
-    "SELECT txid_current_if_assigned(), r.status, r.request_fingerprint, r.response_status, \
+const CLAIM_READ: &str = "SELECT txid_current_if_assigned(), r.status, r.request_fingerprint, r.response_status, \
      r.response_headers, r.response_body, r.resource_id, r.expires_at, \
      CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
      CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
      r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8 \
      FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
      LEFT JOIN idempotency_records r \
-     ON r.principal_id = $1 AND r.operation = $2 AND r.idem_key = $3"
-);
+     ON r.principal_id = $1 AND r.operation = $2 AND r.idem_key = $3";
 
 /// Waits for the scope's lock within a bound (ledger v8's function).
 const WAIT: &str = "SELECT tower_idempotency_wait($1, $2, $3)";
@@ -65,7 +63,7 @@ const RECORD: &str = concat!(
 );
 
 impl Backend for Postgres {
-    const PREPARED_IN_TRANSACTIONS: bool = true;
+    const UNNAMED_IN_TRANSACTIONS: bool = true;
 
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
         // One transaction: PostgreSQL's DDL is transactional, and the
