@@ -131,8 +131,8 @@ use crate::observe;
 use crate::scope::bounded;
 use crate::service::CatchUnwind;
 use crate::store::{
-    Backend, Claim, ClaimOutcome, Claimed, Completion, IsolationLevel, Record, RecordStatus, Scope,
-    StoreErrorKind, spawn_claim,
+    Backend, Claim, ClaimOutcome, Claimed, Completion, FinishError, IsolationLevel, Record,
+    RecordStatus, Scope, StoreErrorKind, spawn_claim,
 };
 use crate::tx::Tx;
 
@@ -416,8 +416,41 @@ impl<DB: Backend> Consumer<DB> {
                 observe::message("applied");
                 Ok(Processed::Applied(value))
             }
+            Err(FinishError::Ended(e)) => Err(self.ended(&claim, e).await),
+            Err(FinishError::Store(e))
+                if DB::error_kind(&e) == StoreErrorKind::TransactionEnded =>
+            {
+                Err(self.ended(&claim, e).await)
+            }
             Err(e) => Err(ConsumeError::Store(e.into_inner())),
         }
+    }
+
+    /// The claimed transaction was found ended (`e`), not by the consumer:
+    /// the handler ended it itself, and what it committed stays, so the id
+    /// is held for an operator ([`ConsumeError::Unresolved`]). Where claims
+    /// run without autocommit and the claim's row never committed, the
+    /// server rolled everything back instead (a deadlock, a Galera abort):
+    /// nothing was applied, and a redelivery runs it.
+    async fn ended<E>(&self, claim: &Claim<'_>, e: sqlx::Error) -> ConsumeError<E> {
+        if DB::CLAIMS_RUN_WITHOUT_AUTOCOMMIT {
+            match DB::fetch(&self.pool, &claim.scope).await {
+                Ok(Some(record))
+                    if record.status == RecordStatus::Processing
+                        && record.fingerprint == claim.fingerprint => {}
+                // A read that fails proves nothing: the redelivery finds out.
+                Ok(_) => return ConsumeError::Store(e),
+                Err(read) => return ConsumeError::Store(read),
+            }
+        }
+        let marked = DB::mark_unresolved(&self.pool, claim, 200).await;
+        tracing::error!(
+            subscriber = %self.subscriber,
+            marked = marked.is_ok(),
+            "a message handler ended the claimed transaction itself; what it committed is kept and the id needs reconciliation"
+        );
+        observe::message("unresolved");
+        ConsumeError::Unresolved
     }
 
     /// One claim of the id, waiting on a concurrent delivery at most until

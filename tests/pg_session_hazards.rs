@@ -172,3 +172,41 @@ async fn a_principal_never_waits_on_another_principals_scope() {
     assert_eq!(alice, StatusCode::CREATED);
     assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 2);
 }
+
+/// A duplicate that waited for the scope's lock and then won keeps the
+/// scope through a final business error: rolling its business writes back
+/// to the claim's savepoint must not let a third request, waiting behind
+/// it, in before its answer is recorded (one execution, one answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_that_wins_keeps_the_scope_through_a_final_error() {
+    use tower_idempotency::testkit::{ConformanceDb, Harness, order, send};
+    let h = Harness::<sqlx::Postgres>::new().await;
+    let layer = || {
+        h.layer()
+            .with_in_flight_wait(Duration::from_secs(5))
+            .unwrap()
+    };
+    let (b, c) = (h.app_with(layer()), h.app_with(layer()));
+    // Out of stock: a final business error, recorded.
+    let body = r#"{"amount":1,"items":[{"sku":"none","qty":1}]}"#;
+    let key = "checkout-20260914-001";
+    let holder =
+        <sqlx::Postgres as ConformanceDb>::hold_claim(&h.pool, "user-42", "POST /orders", key)
+            .await;
+    let second =
+        tokio::spawn(async move { send(&b, order(Some("user-42"), Some(key), body)).await });
+    let third =
+        tokio::spawn(async move { send(&c, order(Some("user-42"), Some(key), body)).await });
+    // Both wait on the holder's lock; it goes away with nothing recorded.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    holder.rollback().await.unwrap();
+    let (second, third) = (second.await.unwrap(), third.await.unwrap());
+    assert_eq!(second.status, StatusCode::CONFLICT, "{second:?}");
+    assert_eq!(third.status, StatusCode::CONFLICT, "{third:?}");
+    assert_eq!(
+        h.executions(),
+        1,
+        "one of the two waiters ran, the other replayed"
+    );
+    assert_eq!(h.ledger_with("FAILED_FINAL").await, 1);
+}

@@ -272,8 +272,10 @@ impl<DB: Backend> Run<DB> {
     }
 
     /// The handler ended the claimed transaction itself: whatever it
-    /// committed stays (with the `PROCESSING` row, after a `COMMIT`; without
-    /// it, after a `ROLLBACK` followed by more writes). Hold the key so that
+    /// committed stays (on the stores that insert a `PROCESSING` row at the
+    /// claim, with that row after a `COMMIT`; without a ledger row on
+    /// PostgreSQL, or after a `ROLLBACK` followed by more writes). Hold the
+    /// key so that
     /// it answers "outcome unknown" until an operator resolves it: the
     /// committed row is marked, a missing one inserted. Between the
     /// handler's own `ROLLBACK` and this, the key was unprotected: a

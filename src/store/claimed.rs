@@ -76,7 +76,17 @@ impl<DB: Database> Claimed<DB> {
         sql: SqlStr,
         end: EndFn<DB>,
     ) -> Result<Self, (sqlx::Error, PoolConnection<DB>)> {
-        match <DB::TransactionManager as TransactionManager>::begin(&mut *conn, Some(sql)).await {
+        // A future dropped while the statement is on the wire closes the
+        // connection: it may be inside a transaction sqlx does not count.
+        let begun = {
+            let guard = CloseOnCancel::new(&mut conn);
+            let begun =
+                <DB::TransactionManager as TransactionManager>::begin(&mut **guard.0, Some(sql))
+                    .await;
+            guard.done();
+            begun
+        };
+        match begun {
             Ok(()) => Ok(Self {
                 conn: Some(conn),
                 end,
@@ -90,13 +100,11 @@ impl<DB: Database> Claimed<DB> {
     /// the wire, or a failed `COMMIT`, closes the connection: the server
     /// then ends the transaction itself, and nothing of it is pooled.
     pub(crate) async fn commit(mut self) -> Result<(), sqlx::Error> {
-        let Some(conn) = self.conn.take() else {
+        let Some(mut conn) = self.conn.take() else {
             return Ok(());
         };
-        let mut guard = CloseUnlessDone(Some(conn));
-        if let Some(conn) = guard.0.as_mut() {
-            <DB::TransactionManager as TransactionManager>::commit(&mut **conn).await?;
-        }
+        let guard = CloseOnCancel::new(&mut conn);
+        <DB::TransactionManager as TransactionManager>::commit(&mut **guard.0).await?;
         guard.done();
         Ok(())
     }
@@ -155,20 +163,26 @@ async fn end_within<DB: Database>(mut conn: PoolConnection<DB>, end: EndFn<DB>) 
     }
 }
 
-/// A connection that is closed when it goes, unless the statement it was
-/// kept for finished.
-struct CloseUnlessDone<DB: Database>(Option<PoolConnection<DB>>);
+/// Closes a connection when it goes, unless the statement it is held for
+/// finished: a future dropped (or a statement failed) while the server
+/// may be inside a transaction sqlx does not count never pools it.
+pub(crate) struct CloseOnCancel<'c, DB: Database>(pub(crate) &'c mut PoolConnection<DB>, bool);
 
-impl<DB: Database> CloseUnlessDone<DB> {
-    fn done(mut self) {
-        self.0.take();
+impl<'c, DB: Database> CloseOnCancel<'c, DB> {
+    pub(crate) fn new(conn: &'c mut PoolConnection<DB>) -> Self {
+        Self(conn, false)
+    }
+
+    /// The statement finished: the connection is kept.
+    pub(crate) fn done(mut self) {
+        self.1 = true;
     }
 }
 
-impl<DB: Database> Drop for CloseUnlessDone<DB> {
+impl<DB: Database> Drop for CloseOnCancel<'_, DB> {
     fn drop(&mut self) {
-        if let Some(conn) = &mut self.0 {
-            conn.close_on_drop();
+        if !self.1 {
+            self.0.close_on_drop();
         }
     }
 }

@@ -656,16 +656,16 @@ pub trait Backend: Database {
     fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
     /// Claims a scope on `conn`: begins the transaction that is handed to
-    /// the handler, inserts the `PROCESSING` row, and takes the savepoint
-    /// that final business errors roll back to. Waits for another
-    /// claimer's uncommitted row at most about `claim.lock_wait`, then
-    /// fails with an error of kind [`StoreErrorKind::LockTimeout`] (or
-    /// returns [`ClaimOutcome::InFlight`], as PostgreSQL does).
+    /// the handler (one sqlx counts, see [`Claimed`]), holds the scope in
+    /// it (SQLite and MySQL/MariaDB insert the `PROCESSING` row,
+    /// PostgreSQL takes the scope's lock and reads the row), and takes the
+    /// savepoint that final business errors roll back to. Waits for
+    /// another claimer at most about `claim.lock_wait`, then fails with an
+    /// error of kind [`StoreErrorKind::LockTimeout`] (or returns
+    /// [`ClaimOutcome::InFlight`], as PostgreSQL does).
     ///
-    /// Not cancellation-safe: a future dropped while the claim's statements
-    /// are on the wire can leave the connection inside a transaction that
-    /// sqlx does not count. The layer runs each claim as a task of its own,
-    /// which finishes (within its lock wait) whatever becomes of the request.
+    /// The layer runs each claim as a task of its own, which finishes
+    /// (within its lock wait) whatever becomes of the request.
     fn claim(
         conn: PoolConnection<Self>,
         claim: &Claim<'_>,
@@ -692,10 +692,10 @@ pub trait Backend: Database {
     /// say) it returns [`FinishError::Store`] with an error of kind
     /// [`StoreErrorKind::ConnectionLost`], and the layer re-reads the ledger:
     /// the committed row there means the commit landed. PostgreSQL asks
-    /// (`txid_current()` is read in the batch that commits, at no extra
-    /// round trip, then `txid_status`, the `pg_xact_status` of every
-    /// version); SQLite and MySQL/MariaDB leave it to the ledger re-read.
-    /// On any other error nothing of the transaction is committed.
+    /// (the transaction's id is read by the claim, at no extra round trip,
+    /// then `txid_status`, the `pg_xact_status` of every version); SQLite
+    /// and MySQL/MariaDB leave it to the ledger re-read. On any other error
+    /// nothing of the transaction is committed.
     fn finish(
         pool: &Pool<Self>,
         tx: Claimed<Self>,

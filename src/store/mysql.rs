@@ -7,7 +7,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
-use super::claimed::Ending;
+use super::claimed::{CloseOnCancel, Ending};
 use super::lease::{Dialect, x_literal};
 use super::literal::hex;
 use super::{
@@ -155,12 +155,10 @@ impl Backend for MySql {
         }
         match begun {
             Ok(claimed) => Ok(ClaimOutcome::Won(claimed)),
-            Err((e, mut conn)) => {
+            Err((e, conn)) => {
                 // The batch stopped at its failing statement, perhaps with
                 // autocommit off and a transaction open: end both.
-                if sqlx::raw_sql(END_CLAIM).execute(&mut *conn).await.is_err() {
-                    conn.close_on_drop();
-                }
+                end_or_close(conn).await;
                 // The driver's own signal, never a parsed message.
                 match e.as_database_error() {
                     Some(d) if d.is_unique_violation() => Ok(ClaimOutcome::Lost(None)),
@@ -333,10 +331,8 @@ impl Backend for MySql {
         let conn = pool.acquire().await?;
         match Claimed::begin(conn, AssertSqlSafe(begin).into_sql_str(), end_claim).await {
             Ok(phase) => Ok(phase),
-            Err((e, mut conn)) => {
-                if sqlx::raw_sql(END_CLAIM).execute(&mut *conn).await.is_err() {
-                    conn.close_on_drop();
-                }
+            Err((e, conn)) => {
+                end_or_close(conn).await;
                 Err(e)
             }
         }
@@ -409,6 +405,19 @@ impl Backend for MySql {
             Some(2006 | 2013 | 1927 | 1053) => StoreErrorKind::ConnectionLost,
             _ => StoreErrorKind::Other,
         }
+    }
+}
+
+/// [`END_CLAIM`] on a connection whose batch failed halfway; closed when
+/// that fails or its future is dropped.
+async fn end_or_close(mut conn: PoolConnection<MySql>) {
+    let guard = CloseOnCancel::new(&mut conn);
+    if sqlx::raw_sql(END_CLAIM)
+        .execute(&mut **guard.0)
+        .await
+        .is_ok()
+    {
+        guard.done();
     }
 }
 

@@ -47,6 +47,11 @@ const CLAIM_READ: &str = "SELECT txid_current_if_assigned(), r.status, r.request
      LEFT JOIN idempotency_records r \
      ON r.principal_id = $1 AND r.operation = $2 AND r.idem_key = $3";
 
+/// Moves what the claim's savepoint holds (the scope's lock, once waited
+/// for) to the transaction, and takes the savepoint again.
+const RETAKE_SAVEPOINT: &str =
+    "RELEASE SAVEPOINT tower_idempotency_claimed; SAVEPOINT tower_idempotency_claimed";
+
 /// Waits for the scope's lock within a bound (ledger v8's function).
 const WAIT: &str = "SELECT tower_idempotency_wait($1, $2, $3)";
 
@@ -95,7 +100,8 @@ impl Backend for Postgres {
         // wait).
         let (k1, k2) = scope_lock(&claim.scope);
         let begin = format!(
-            "BEGIN ISOLATION LEVEL {};              SELECT txid_current() WHERE pg_try_advisory_xact_lock({k1}, {k2});              {TAKE_SAVEPOINT}",
+            "BEGIN ISOLATION LEVEL {}; \
+             SELECT txid_current() WHERE pg_try_advisory_xact_lock({k1}, {k2}); {TAKE_SAVEPOINT}",
             claim.isolation.as_sql(),
         );
         let begin = AssertSqlSafe(begin).into_sql_str();
@@ -148,12 +154,23 @@ impl Backend for Postgres {
                             return Err(e);
                         }
                     }
-                    // Above READ COMMITTED the transaction's snapshot was
-                    // taken before the wait: the holder's row would stay
-                    // unseen. Begin again, after it.
-                    if claim.isolation != IsolationLevel::ReadCommitted
-                        && let Err(e) = tx.begin_again(begin.clone()).await
-                    {
+                    // The lock was taken inside the claim's savepoint: a
+                    // rollback to it (a final business error) would let
+                    // the next waiter in before the answer is recorded.
+                    // Release the savepoint (the lock moves to the
+                    // transaction) and take it again. Above READ COMMITTED
+                    // the transaction's snapshot was taken before the wait,
+                    // so the holder's row would stay unseen: begin again,
+                    // after it (the lock is then taken with the `BEGIN`).
+                    let moved = if claim.isolation == IsolationLevel::ReadCommitted {
+                        sqlx::raw_sql(RETAKE_SAVEPOINT)
+                            .execute(&mut *tx)
+                            .await
+                            .map(drop)
+                    } else {
+                        tx.begin_again(begin.clone()).await
+                    };
+                    if let Err(e) = moved {
                         tx.discard();
                         return Err(e);
                     }
@@ -219,7 +236,14 @@ impl Backend for Postgres {
                 return Err(FinishError::Ended(e));
             }
             Err(e) => {
-                tx.discard();
+                // A server's refusal (a row written without the scope's
+                // lock, a serialization failure) leaves the connection
+                // sound: rolled back, not closed.
+                if e.as_database_error().is_some() {
+                    tx.rollback().await;
+                } else {
+                    tx.discard();
+                }
                 return Err(e.into());
             }
         };
@@ -357,7 +381,14 @@ impl Backend for Postgres {
                 return Ok(None);
             }
             Err(e) => {
-                tx.discard();
+                // A server's refusal (a row written without the scope's
+                // lock, a serialization failure) leaves the connection
+                // sound: rolled back, not closed.
+                if e.as_database_error().is_some() {
+                    tx.rollback().await;
+                } else {
+                    tx.discard();
+                }
                 return Err(e.into());
             }
         };

@@ -397,3 +397,29 @@ pub async fn consumer_nested_rollback_keeps_the_claim<DB: ConformanceDb>(h: Harn
     assert_eq!(h.orders().await, 1);
     assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
 }
+
+/// Case (issue 25 review): a handler that sends its own `COMMIT` keeps what
+/// it committed, and the id is held for an operator: redeliveries are
+/// refused as unresolved and never apply the message again.
+pub async fn consumer_handler_that_commits_itself_is_held<DB: ConformanceDb>(h: Harness<DB>) {
+    let consumer = Consumer::new(h.pool.clone(), "stock");
+    let runs = AtomicUsize::new(0);
+    for delivery in 0..3 {
+        let runs = &runs;
+        let delivered = consumer
+            .process("evt-1", PAYLOAD, |tx| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let mut conn = tx.lock().expect("the transaction");
+                let id = DB::insert_order(&mut conn, "consumer", 2).await?;
+                DB::exec_on(&mut conn, "COMMIT").await?;
+                Ok::<_, sqlx::Error>(id)
+            })
+            .await;
+        assert!(
+            matches!(delivered, Err(ConsumeError::Unresolved)),
+            "delivery {delivery}: {delivered:?}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "applied once, then held");
+    assert_eq!(h.orders().await, 1);
+}

@@ -573,6 +573,7 @@ macro_rules! conformance_suite {
             consumer_longest_durations_still_process,
             consumer_and_http_scopes_never_meet,
             consumer_nested_rollback_keeps_the_claim,
+            consumer_handler_that_commits_itself_is_held,
         );
     };
 }
