@@ -248,6 +248,9 @@ async fn a_payment_claim_lost_in_a_failover_is_charged_once() {
     let args = ["--provider-timeout-ms", "5000"];
     let (_service, addr) = payment_service(&relay.url(), &provider, &args).await;
     provider.charge_then_hang(3000).await;
+    // The service's schema (created at its start) is on the standby
+    // before it is cut off; what follows never reaches it.
+    tokio::task::block_in_place(|| pair.wait_caught_up());
     pair.partition();
     let first = {
         let addr = addr.clone();

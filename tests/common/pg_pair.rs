@@ -242,6 +242,16 @@ impl Pair {
         let _ = postmaster.wait();
     }
 
+    /// Waits until the standby has replayed everything the primary wrote
+    /// so far (a schema the service created at start, say).
+    pub fn wait_caught_up(&self) {
+        let lsn = self
+            .psql(0, "SELECT pg_current_wal_lsn()")
+            .expect("the primary's WAL position");
+        let sql = format!("SELECT pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn");
+        self.wait_for(1, &sql, "t");
+    }
+
     /// Cuts the standby off the primary: what the primary commits from
     /// now on never reaches it (with synchronous replication, commits
     /// wait).
