@@ -22,6 +22,7 @@ on_every_store!(
     without_an_actor_extension_the_form_asks_who,
     the_form_presets_no_verdict_and_an_answer_needs_status_and_body,
     without_a_host_header_the_origin_is_checked_against_the_authority,
+    every_answer_forbids_framing_caching_and_referrers,
 );
 
 /// The key the client sent (an SF string), and as stored (unquoted):
@@ -606,4 +607,46 @@ async fn without_a_host_header_the_origin_is_checked_against_the_authority<DB: S
     let done = within(h2(&format!("https://{HOST}"), Body::from(fields))).await;
     assert_eq!(done.status, StatusCode::OK, "{done:?}");
     assert!(text(&done).contains("Verdict recorded"), "{done:?}");
+}
+
+/// Issue 26, point 7: no page of the console can be framed (a page on the
+/// same host framed the record page, settle form included), cached or
+/// leak its URL as a referrer; refusals included.
+async fn every_answer_forbids_framing_caching_and_referrers<DB: Store>() {
+    let (h, _) = pay_app::<DB>().await;
+    let app = console::<DB>(h.pool.clone(), Some("op"));
+    let oversized = "x".repeat(80 * 1024);
+    let requests = [
+        get("/"),
+        get("/api/status"),
+        get("/api/unresolved"),
+        get("/record?principal=p&operation=o&key=k"),
+        post_json("/api/resolve", json!({}), Some("https://elsewhere.test")),
+        Request::post("/resolve")
+            .header("host", HOST)
+            .header("origin", format!("http://{HOST}"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(Body::from(oversized))
+            .unwrap(),
+    ];
+    for req in requests {
+        let what = format!("{} {}", req.method(), req.uri());
+        let a: Answer = send(&app, req).await;
+        let header = |name: &str| {
+            a.headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string()
+        };
+        assert_eq!(
+            header("content-security-policy"),
+            "frame-ancestors 'none'",
+            "{what}: {}",
+            a.status
+        );
+        assert_eq!(header("x-frame-options"), "DENY", "{what}");
+        assert_eq!(header("cache-control"), "no-store", "{what}");
+        assert_eq!(header("referrer-policy"), "no-referrer", "{what}");
+    }
 }

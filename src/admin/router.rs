@@ -92,6 +92,11 @@ pub struct Actor(pub String);
 /// The session cookie an authentication layer may use should still be
 /// `SameSite=Lax` or stricter.
 ///
+/// Every answer carries `Content-Security-Policy: frame-ancestors 'none'`
+/// and `X-Frame-Options: DENY` (no page can be framed by another, on this
+/// host or elsewhere), `Cache-Control: no-store` and `Referrer-Policy:
+/// no-referrer`.
+///
 /// # Limits
 ///
 /// Request bodies are capped at [`MAX_FORM_BYTES`]; listings at
@@ -108,7 +113,24 @@ pub fn router<DB: AdminBackend>(ledger: Ledger<DB>) -> Router {
         .route("/api/resolve", post(api_resolve::<DB>))
         .route("/api/status", get(api_status::<DB>))
         .layer(DefaultBodyLimit::max(MAX_FORM_BYTES))
+        .layer(axum::middleware::map_response(guarded))
         .with_state(ledger)
+}
+
+/// Every answer of the console, refusals included: never framed (the
+/// settle form under someone else's page), never cached, never sent as a
+/// referrer.
+async fn guarded(mut res: Response) -> Response {
+    let headers = res.headers_mut();
+    for (name, value) in [
+        (header::CONTENT_SECURITY_POLICY, "frame-ancestors 'none'"),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::CACHE_CONTROL, "no-store"),
+        (header::REFERRER_POLICY, "no-referrer"),
+    ] {
+        headers.insert(name, header::HeaderValue::from_static(value));
+    }
+    res
 }
 
 #[derive(Debug, Deserialize)]
