@@ -26,6 +26,7 @@
 //! | [`TransactionConflict`](ProblemKind::TransactionConflict) | 503 + `Retry-After` | `#transaction-conflict` | a serialization failure or deadlock at commit; everything was rolled back |
 //! | [`TransactionEnded`](ProblemKind::TransactionEnded) | 500 | `#transaction-ended` | the handler ended the claimed transaction itself (`COMMIT`, `ROLLBACK`, implicitly committing DDL); what it committed stays, and the key answers `#reconciling` until an operator resolves it |
 //! | [`Reconciling`](ProblemKind::Reconciling) | 503 + `Retry-After` | `#reconciling` | the outcome of the first request with this key is unknown; it is never executed again automatically, and an operator resolves it (see [`Reconciler`](crate::Reconciler)) |
+//! | [`LeaseMisuse`](ProblemKind::LeaseMisuse) | 500 | `#lease-misuse` | lease mode: the handler misused it (a step or point name the ledger cannot hold, a second final phase); a programming error, never retried by itself; the key stays claimable, so a fixed deployment serves the retry |
 //! | [`LeaseLost`](ProblemKind::LeaseLost) | 409 + `Retry-After` | `#lease-lost` | lease mode: this attempt ran past its lease and a later attempt took the key over; nothing this attempt wrote after that was kept, and the retry gets the later attempt's answer |
 
 use bytes::Bytes;
@@ -86,6 +87,11 @@ pub enum ProblemKind {
     /// Lease mode: this attempt's lease was taken over by a later attempt
     /// (it ran past its lease); the later attempt answers for the key.
     LeaseLost,
+    /// Lease mode: the handler misused it (a step or point name the ledger
+    /// cannot hold, a second final phase): a programming error, not an
+    /// outage. Nothing of the attempt's misused call ran, and the key stays
+    /// claimable, so a fixed deployment serves the retry.
+    LeaseMisuse,
 }
 
 impl ProblemKind {
@@ -111,6 +117,7 @@ impl ProblemKind {
             Self::TransactionEnded => "transaction-ended",
             Self::Reconciling => "reconciling",
             Self::LeaseLost => "lease-lost",
+            Self::LeaseMisuse => "lease-misuse",
         }
     }
 
@@ -140,6 +147,7 @@ impl ProblemKind {
             Self::TransactionEnded => "Transaction ended by the handler",
             Self::Reconciling => "Outcome unknown, awaiting reconciliation",
             Self::LeaseLost => "The request was taken over by a retry",
+            Self::LeaseMisuse => "Lease mode misused by the handler",
         }
     }
 
@@ -159,7 +167,8 @@ impl ProblemKind {
             Self::ResponseTooLarge
             | Self::ResponseUnreadable
             | Self::TransactionHeld
-            | Self::TransactionEnded => StatusCode::INTERNAL_SERVER_ERROR,
+            | Self::TransactionEnded
+            | Self::LeaseMisuse => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 }

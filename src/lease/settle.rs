@@ -206,6 +206,14 @@ impl From<LeaseError> for Problem {
         match e {
             LeaseError::Lost => Problem::lease_lost(),
             LeaseError::Reconciling => Problem::reconciling(),
+            // A programming error: no retry fixes it until the handler is.
+            LeaseError::Misuse(_) | LeaseError::InvalidName { .. } => {
+                tracing::error!(error = %e, "the handler misused lease mode");
+                Problem::new(
+                    ProblemKind::LeaseMisuse,
+                    "the service misused its idempotency lease mode; nothing was charged by the misused call",
+                )
+            }
             // Never the database's own words in an answer: they are logged.
             other => {
                 tracing::warn!(error = %other, "lease mode failed; the client may retry");

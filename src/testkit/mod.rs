@@ -560,6 +560,7 @@ macro_rules! conformance_suite {
             lease_call_provably_not_sent_ends_the_lease_without_parking,
             lease_blocked_renewal_does_not_freeze_the_step_timeout,
             lease_step_and_point_names_are_validated,
+            lease_misuse_is_a_500_and_the_key_stays_claimable,
             lease_verdict_on_a_record_changed_since_its_listing_is_refused,
             lease_step_within_its_timeout_is_not_listed_as_stranded,
             consumer_applies_once_and_skips_duplicates,

@@ -663,6 +663,51 @@ pub async fn lease_step_and_point_names_are_validated<DB: ConformanceDb>(h: Harn
     assert_eq!(provider.posts(), 0);
 }
 
+/// Case (issue 26, point 3): a handler that misuses lease mode (a step
+/// name the ledger cannot hold) is a programming error, not an outage: the
+/// client gets `500 #lease-misuse` without `Retry-After`, nothing is
+/// charged, and the key stays claimable, so the fixed deployment's retry
+/// runs once.
+pub async fn lease_misuse_is_a_500_and_the_key_stays_claimable<DB: ConformanceDb>(h: Harness<DB>) {
+    let provider = Arc::new(Provider::default());
+    let fixed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (p, f) = (Arc::clone(&provider), Arc::clone(&fixed));
+    let handler = move |leased: Leased<DB>| {
+        let (p, f) = (Arc::clone(&p), Arc::clone(&f));
+        async move {
+            let long = "s".repeat(256);
+            let name = if f.load(Ordering::SeqCst) {
+                "charge"
+            } else {
+                long.as_str()
+            };
+            match leased.step(name, |k| p.charge(k, 1), |k| p.lookup(k)).await {
+                Ok(_) => (StatusCode::CREATED, "charged").into_response(),
+                Err(StepError::Lease(e)) => e.into_response(),
+                Err(other) => (StatusCode::BAD_GATEWAY, format!("{other:?}")).into_response(),
+            }
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(layer(&h, mode(Duration::from_secs(30))));
+    for _ in 0..2 {
+        let r = send(&router, payment("misused-1", PAY)).await;
+        assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR, "{r:?}");
+        assert_eq!(r.problem(), "lease-misuse", "{r:?}");
+        assert!(!r.headers.contains_key("retry-after"), "{r:?}");
+    }
+    assert_eq!(provider.posts(), 0);
+    fixed.store(true, Ordering::SeqCst);
+    let r = send(&router, payment("misused-1", PAY)).await;
+    assert_eq!(
+        r.status,
+        StatusCode::CREATED,
+        "the fixed deployment serves the retry: {r:?}"
+    );
+    assert_eq!(provider.posts(), 1);
+}
+
 /// Case (review): an operator's verdict given on a listing that a completer
 /// pass has since acted on (it found the charge absent, ran the step, and
 /// parked the record again) is refused as changed, never recorded over the
