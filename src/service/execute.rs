@@ -210,7 +210,14 @@ impl<DB: Backend> Run<DB> {
         handler_status: i32,
     ) -> Response<IdempotencyBody<B>> {
         if DB::CLAIMS_RUN_WITHOUT_AUTOCOMMIT {
-            let read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+            // A read that fails proves nothing: asked once more, then a
+            // retryable refusal with the key left as it is (a committed
+            // row of this claim, if any, holds it by itself).
+            let mut read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+            if read.is_err() {
+                tokio::time::sleep(MIN_READ_WAIT).await;
+                read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+            }
             // A default-mode row (no lease) with this request's
             // fingerprint, committed unsettled: this claim's row.
             let own_row_committed = match &read {
@@ -222,8 +229,13 @@ impl<DB: Backend> Run<DB> {
                         && record.fingerprint == id.fingerprint.as_bytes()
                 }
                 Ok(None) => false,
-                // Whether the handler committed is unknown: hold the key.
-                Err(_) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "the claimed transaction ended and the ledger could not be read");
+                    let detail = "the database ended the transaction, and the ledger could not be read to tell what became of this key; nothing was recorded, retry with the same key";
+                    let problem =
+                        Problem::new(ProblemKind::StoreUnavailable, detail).retry_after(1);
+                    return refuse(problem, 1);
+                }
             };
             if !own_row_committed {
                 return self.answer_after_rollback(id, read);

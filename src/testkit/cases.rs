@@ -1311,6 +1311,47 @@ pub async fn nested_transactions_in_the_handler_are_savepoints<DB: ConformanceDb
     assert_eq!(h.ledger_with("SUCCEEDED").await, 3);
 }
 
+/// Issue 26, point 1: where claims run without autocommit (MySQL,
+/// MariaDB), a claimed transaction the server rolled back on its own (a
+/// deadlock victim) whose ledger re-read then fails proves nothing: the
+/// answer is a retryable `503`, and the key is never held as if the
+/// handler had committed (before: `500 #transaction-ended` and
+/// `NEEDS_RECONCILIATION` until an operator acted). Elsewhere a
+/// transaction found ended is the handler's doing and is held.
+pub async fn a_failed_read_after_a_server_rollback_never_holds_the_key<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    if !DB::CLAIMS_RUN_WITHOUT_AUTOCOMMIT {
+        return;
+    }
+    let check = h.pool.clone();
+    let options = (*check.connect_options()).clone();
+    let closing = sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let h = h.with_pool(closing);
+    let a = send(
+        &h.app(),
+        order(
+            ALICE,
+            Some("lost-read"),
+            r#"{"amount":1,"mode":"rollback_pool_closed"}"#,
+        ),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
+    assert!(a.headers.contains_key("retry-after"), "{a:?}");
+    let held = DB::count(
+        &check,
+        "SELECT COUNT(*) FROM idempotency_records WHERE status = 'NEEDS_RECONCILIATION'",
+    )
+    .await;
+    assert_eq!(held, 0, "the key is never held on a failed read");
+    assert_eq!(DB::count(&check, "SELECT COUNT(*) FROM orders").await, 0);
+}
+
 /// Hardening 9: under `SERIALIZABLE` (and `REPEATABLE READ`), a claim that
 /// loses to a concurrent one is read back and replayed, never a store
 /// error; concurrent duplicates still execute once.

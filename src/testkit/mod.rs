@@ -268,6 +268,14 @@ async fn create_order<DB: ConformanceDb>(
                 .await
                 .unwrap();
         }
+        // As a deadlock victim's: the transaction is gone; then the pool
+        // closes, so the ledger cannot be read afterwards.
+        "rollback_pool_closed" => {
+            DB::exec_on(&mut conn, "ROLLBACK").await.unwrap();
+            let pool = st.pool.clone();
+            tokio::spawn(async move { pool.close().await });
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         "commit_409" => {
             DB::exec_on(&mut conn, "COMMIT").await.unwrap();
             return (StatusCode::CONFLICT, "out of stock").into_response();
@@ -575,6 +583,7 @@ macro_rules! conformance_suite {
             consumer_and_http_scopes_never_meet,
             consumer_nested_rollback_keeps_the_claim,
             consumer_handler_that_commits_itself_is_held,
+            a_failed_read_after_a_server_rollback_never_holds_the_key,
         );
     };
 }
