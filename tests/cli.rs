@@ -13,6 +13,7 @@ use tower_idempotency::testkit::lease::{Fault, payment};
 use tower_idempotency::testkit::send;
 
 on_every_store!(
+    unresolved_and_show_print_scopes_whole_and_escaped,
     list_show_resolve_and_the_retry_replays,
     refusals_exit_1_with_one_line,
     a_held_record_is_refused,
@@ -521,4 +522,51 @@ async fn a_verdict_on_a_record_that_moved_since_show_is_refused<DB: Store>() {
     let audit = row["audit"].as_array().unwrap();
     assert_eq!(audit.len(), 1, "only Alice's verdict: {row}");
     assert_eq!(audit[0]["actor"], "alice");
+}
+
+/// Issue 26, points 4 and 9: `unresolved` prints each scope whole (a UUID
+/// key, a long principal), so it can be pasted into `show`; and neither
+/// `unresolved` nor `show` writes stored control characters (a terminal
+/// escape sequence) to the terminal raw.
+async fn unresolved_and_show_print_scopes_whole_and_escaped<DB: Store>() {
+    use tower_idempotency::store::{Claim, Scope};
+    let (pool, _drop) = DB::fresh().await;
+    let url = DB::url_of(&pool);
+    let principal = "tenant-with-a-rather-long-name-\u{1b}[31m-red";
+    let operation = "POST /payments";
+    let key = "8e03978e-40d1-4c5b-9d2e-0123456789ab";
+    let claim = Claim {
+        scope: Scope {
+            principal,
+            operation,
+            key,
+        },
+        fingerprint: &[7; 32],
+        retention_ms: 86_400_000,
+        lock_wait: Duration::ZERO,
+        isolation: Default::default(),
+        cached_statements: true,
+    };
+    DB::mark_unresolved(&pool, &claim, 500).await.unwrap();
+    let table = cli(&url, &["unresolved"]).await;
+    assert_eq!(table.code, 0, "{table:?}");
+    assert!(table.stdout.contains(key), "the key whole: {table:?}");
+    assert!(!table.stdout.contains('\u{1b}'), "no raw escape: {table:?}");
+    assert!(table.stdout.contains("\\x1b[31m-red"), "{table:?}");
+    let shown = cli(
+        &url,
+        &[
+            "show",
+            "--principal",
+            principal,
+            "--operation",
+            operation,
+            "--key",
+            key,
+        ],
+    )
+    .await;
+    assert_eq!(shown.code, 0, "{shown:?}");
+    assert!(!shown.stdout.contains('\u{1b}'), "no raw escape: {shown:?}");
+    assert!(shown.stdout.contains("\\x1b[31m-red"), "{shown:?}");
 }

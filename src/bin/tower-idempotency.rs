@@ -367,29 +367,26 @@ async fn unresolved<DB: AdminBackend>(ledger: &Ledger<DB>, limit: u32, json: boo
         return Ok(());
     }
     println!(
-        "{:<40} {:<22} {:>4} {:<12} {:<12} {:>10} {:>5}  STEP KEY",
-        "SCOPE (principal / operation / key)",
-        "STATUS",
-        "GEN",
-        "PENDING",
-        "RECOVERY",
-        "AGE",
-        "LAST"
+        "{:<22} {:>4} {:<12} {:<12} {:>10} {:>5}  STEP KEY",
+        "STATUS", "GEN", "PENDING", "RECOVERY", "AGE", "LAST"
     );
     for r in &records {
-        let scope = format!("{} / {} / {}", r.principal, r.operation, r.key);
         println!(
-            "{:<40} {:<22} {:>4} {:<12} {:<12} {:>10} {:>5}  {}",
-            clip(&scope, 40),
+            "{:<22} {:>4} {:<12} {:<12} {:>10} {:>5}  {}",
             r.status.as_str(),
             r.generation,
-            clip(r.pending_step.as_deref().unwrap_or("-"), 12),
-            clip(r.recovery_point.as_deref().unwrap_or("-"), 12),
+            clip(&shown(r.pending_step.as_deref().unwrap_or("-")), 12),
+            clip(&shown(r.recovery_point.as_deref().unwrap_or("-")), 12),
             human_age(now.saturating_sub(r.created_at)),
             r.response_status
                 .map_or_else(|| "-".to_string(), |s| s.to_string()),
             step_key(r).map_or_else(|| "-".to_string(), |k| k.as_str().to_string()),
         );
+        // The scope whole, each part on its line: what `show` and
+        // `resolve` take.
+        println!("  principal: {}", shown(&r.principal));
+        println!("  operation: {}", shown(&r.operation));
+        println!("  key:       {}", shown(&r.key));
     }
     Ok(())
 }
@@ -443,10 +440,10 @@ async fn show<DB: AdminBackend>(ledger: &Ledger<DB>, scope: &ScopeArgs, json: bo
             e.id,
             time(e.recorded_at),
             e.verdict,
-            e.actor,
+            shown(&e.actor),
             e.response_status
                 .map_or_else(|| "no answer".to_string(), |s| format!("answer {s}")),
-            e.reason,
+            shown(&e.reason),
             serde_json::from_str::<Value>(&e.before)
                 .ok()
                 .and_then(|b| b["status"].as_str().map(str::to_string))
@@ -465,9 +462,9 @@ fn row_scope(row: &LedgerRow) -> tower_idempotency::store::Scope<'_> {
 }
 
 fn print_row(row: &LedgerRow) {
-    println!("principal:       {}", row.principal);
-    println!("operation:       {}", row.operation);
-    println!("key:             {}", row.key);
+    println!("principal:       {}", shown(&row.principal));
+    println!("operation:       {}", shown(&row.operation));
+    println!("key:             {}", shown(&row.key));
     println!("status:          {}", row.status.as_str());
     println!(
         "created:         {} ({} ago)",
@@ -484,14 +481,14 @@ fn print_row(row: &LedgerRow) {
     if row.generation > 0 {
         println!(
             "pending step:    {}",
-            row.pending_step.as_deref().unwrap_or("-")
+            shown(row.pending_step.as_deref().unwrap_or("-"))
         );
         if let Some(key) = row.as_unresolved().as_ref().and_then(step_key) {
             println!("step key:        {}", key.as_str());
         }
         println!(
             "recovery point:  {}",
-            row.recovery_point.as_deref().unwrap_or("-")
+            shown(row.recovery_point.as_deref().unwrap_or("-"))
         );
         if let Some(t) = row.locked_until {
             println!("locked until:    {}", time(t));
@@ -501,15 +498,15 @@ fn print_row(row: &LedgerRow) {
         println!("answer status:   {status}");
     }
     for (name, value) in row.headers() {
-        println!("answer header:   {name}: {value}");
+        println!("answer header:   {}: {}", shown(&name), shown(&value));
     }
     match (row.body_text(), &row.response_body) {
-        (Some(text), _) => println!("answer body:     {text}"),
+        (Some(text), _) => println!("answer body:     {}", shown(text)),
         (None, Some(bytes)) => println!("answer body:     ({} bytes, not text)", bytes.len()),
         (None, None) => {}
     }
     if let Some(id) = &row.resource_id {
-        println!("resource id:     {id}");
+        println!("resource id:     {}", shown(id));
     }
     if row.generation > 0 && !row.is_settled() {
         println!(
@@ -778,6 +775,25 @@ async fn sweep<DB: AdminBackend>(
     Ok(())
 }
 
+/// Stored text as a terminal may show it: control characters (a terminal
+/// escape sequence, a newline) written as `\x1b` or `\u{…}`, and a
+/// backslash as `\\`, so nothing stored reaches the terminal raw and the
+/// spelling is never ambiguous.
+fn shown(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            c if c.is_control() && (c as u32) < 0x80 => {
+                out.push_str(&format!("\\x{:02x}", c as u32));
+            }
+            c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 fn clip(s: &str, width: usize) -> String {
     if s.chars().count() <= width {
         return s.to_string();
@@ -811,6 +827,14 @@ fn time(ms: i64) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn stored_text_is_shown_escaped() {
+        assert_eq!(super::shown("a\u{1b}[31mb"), "a\\x1b[31mb");
+        assert_eq!(super::shown("a\\x1b"), "a\\\\x1b");
+        assert_eq!(super::shown("line\nnext\u{85}"), "line\\x0anext\\u{85}");
+        assert_eq!(super::shown("plain ü"), "plain ü");
+    }
+
     #[test]
     fn times_are_utc_iso_8601() {
         assert_eq!(super::time(0), "1970-01-01T00:00:00.000Z");
