@@ -23,6 +23,7 @@ on_every_store!(
     the_form_presets_no_verdict_and_an_answer_needs_status_and_body,
     without_a_host_header_the_origin_is_checked_against_the_authority,
     every_answer_forbids_framing_caching_and_referrers,
+    a_verdict_without_or_with_a_wrong_claim_id_is_not_gone,
 );
 
 /// The key the client sent (an SF string), and as stored (unquoted):
@@ -649,4 +650,54 @@ async fn every_answer_forbids_framing_caching_and_referrers<DB: Store>() {
         assert_eq!(header("cache-control"), "no-store", "{what}");
         assert_eq!(header("referrer-policy"), "no-referrer", "{what}");
     }
+}
+
+/// Issue 26, point 5: a JSON verdict on a lease-mode record that exists
+/// is never answered `404 gone`: without its `claim_id` it is a malformed
+/// verdict (`400`), and with another claim's id the record was claimed
+/// afresh since (`409`); neither records anything.
+async fn a_verdict_without_or_with_a_wrong_claim_id_is_not_gone<DB: Store>() {
+    let (h, app) = pay_app::<DB>().await;
+    park(&app, "pay-1").await;
+    let c = console(h.pool.clone(), Some("alice"));
+    let seen = send(&c, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    assert!(seen["claim_id"].is_string(), "{seen}");
+    let verdict = |claim_id: serde_json::Value| {
+        let mut v = json!({
+            "principal": PAYER, "operation": OPERATION, "key": "pay-1",
+            "verdict": "rerun", "reason": "provider shows no charge",
+            "generation": seen["generation"], "parks": seen["parks"],
+        });
+        if !claim_id.is_null() {
+            v["claim_id"] = claim_id;
+        }
+        v
+    };
+    let missing = send(
+        &c,
+        post_json("/api/resolve", verdict(serde_json::Value::Null), None),
+    )
+    .await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST, "{missing:?}");
+    assert!(
+        missing.json()["message"]
+            .as_str()
+            .unwrap()
+            .contains("claim_id"),
+        "{missing:?}"
+    );
+    let wrong = send(
+        &c,
+        post_json("/api/resolve", verdict(json!("0123abcd.feed")), None),
+    )
+    .await;
+    assert_eq!(wrong.status, StatusCode::CONFLICT, "{wrong:?}");
+    assert_eq!(wrong.json()["error"], "claimed_afresh", "{wrong:?}");
+    let now = send(&c, get(&format!("/api/record?{}", record_query("pay-1"))))
+        .await
+        .json();
+    assert_eq!(now["status"], "NEEDS_RECONCILIATION", "{now}");
+    assert_eq!(now["audit"].as_array().unwrap().len(), 0, "{now}");
 }

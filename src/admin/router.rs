@@ -43,7 +43,7 @@ pub struct Actor(pub String);
 /// | `POST /resolve` | HTML form post: settles it, answers a confirmation page (`409` when refused) |
 /// | `GET /api/unresolved?limit=N` | JSON: `{"records": […]}` (at most [`MAX_LIST`](super::MAX_LIST)) |
 /// | `GET /api/record?principal=…&operation=…&key=…` | JSON: the record and its audit trail (`404` when none) |
-/// | `POST /api/resolve` | JSON: settles a record as seen (`generation`, `parks`, `claim_id` as `/api/record` showed them; required for a lease-mode record, `400` without); `409` with the reason when refused |
+/// | `POST /api/resolve` | JSON: settles a record as seen (`generation`, `parks`, `claim_id` as `/api/record` showed them; required for a lease-mode record, `400` without, `claim_id` included when the record has one); `409` with the reason when refused (`claimed_afresh` when the record now is another claim's, `settled`, `held`, `changed`); `404` only when no record holds the scope |
 /// | `GET /api/status` | JSON: [`LedgerStatus`](super::LedgerStatus) |
 ///
 /// # Authentication
@@ -443,6 +443,8 @@ async fn carry_out<DB: AdminBackend>(
         by,
         seen,
     } = req;
+    // Whether the verdict named a claim id (a lease-mode record's fence).
+    let named_claim = seen.as_ref().is_some_and(|(_, claim, _)| claim.is_some());
     let outcome = match seen {
         Some((generation, claim_id, parks)) => {
             let seen = Seen::new(generation, parks, claim_id);
@@ -480,6 +482,29 @@ async fn carry_out<DB: AdminBackend>(
                 _ => (StatusCode::CONFLICT, "changed"),
             };
             let record = ledger.show(&lookup).await.ok().flatten();
+            // "Gone" while a record holds the scope: the verdict named
+            // another claim (or none), never a missing record.
+            if let (ResolveError::Gone, Some(now)) = (&e, &record) {
+                let refusal = match &now.claim_id {
+                    Some(claim) if !named_claim => Refusal::bad(format!(
+                        "claim_id is required for this record: name the claim_id it showed \
+                         ({claim}), with its generation and parks"
+                    )),
+                    _ => Refusal {
+                        status: StatusCode::CONFLICT,
+                        kind: "claimed_afresh",
+                        message: format!(
+                            "the key was claimed afresh since it was seen; it is {} now",
+                            now.describe()
+                        ),
+                        record: None,
+                    },
+                };
+                return Err(Refusal {
+                    record: record.map(Box::new),
+                    ..refusal
+                });
+            }
             let message = match (&e, &record) {
                 (ResolveError::Settled { .. }, Some(now)) => {
                     let trail = ledger.audit(&row_scope(now)).await.unwrap_or_default();
