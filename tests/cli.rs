@@ -263,9 +263,16 @@ async fn refusals_exit_1_with_one_line<DB: Store>() {
         .assert_failed(2, "frobnicate");
     // No database.
     cli("", &["status"]).await.assert_failed(2, "DATABASE_URL");
-    cli("postgres://postgres@127.0.0.1:1/nothing", &["status"])
-        .await
-        .assert_failed(2, "no database");
+    // Nobody listens there (issue 26, point 6): said at once, as refused,
+    // never as a pool that timed out after 10 s.
+    for nobody in [
+        "postgres://postgres@127.0.0.1:1/nothing",
+        "mysql://root@127.0.0.1:1/nothing",
+    ] {
+        let refused = cli(nobody, &["status"]).await;
+        refused.assert_failed(2, "no database at the URL given");
+        assert!(refused.stderr.contains("refused"), "{refused:?}");
+    }
     cli("redis://127.0.0.1/0", &["status"])
         .await
         .assert_failed(2, "unsupported");

@@ -12,8 +12,8 @@ use bytes::Bytes;
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use serde_json::{Value, json};
 use sqlx::Pool;
-use sqlx::mysql::MySqlPoolOptions;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use tower_idempotency::admin::{
     AdminBackend, Attribution, Ledger, LedgerRow, Lookup, Seen, human_age, settled_by, step_key,
@@ -226,20 +226,26 @@ async fn dispatch(cli: Cli) -> Outcome {
     let unreachable = |e: sqlx::Error| usage(format!("no database at the URL given: {e}"));
     match scheme {
         "postgres" | "postgresql" => {
+            let options = PgConnectOptions::from_str(&url)
+                .map_err(|e| usage(format!("bad database URL: {e}")))?;
+            probe::<sqlx::PgConnection>(&options, wait).await?;
             let pool = PgPoolOptions::new()
                 .max_connections(2)
                 .acquire_timeout(wait)
-                .connect(&url)
+                .connect_with(options)
                 .await
                 .map_err(unreachable)?;
             run(pool, cli).await
         }
         "mysql" | "mariadb" => {
             let url = url.replacen("mariadb:", "mysql:", 1);
+            let options = MySqlConnectOptions::from_str(&url)
+                .map_err(|e| usage(format!("bad database URL: {e}")))?;
+            probe::<sqlx::MySqlConnection>(&options, wait).await?;
             let pool = MySqlPoolOptions::new()
                 .max_connections(2)
                 .acquire_timeout(wait)
-                .connect(&url)
+                .connect_with(options)
                 .await
                 .map_err(unreachable)?;
             run(pool, cli).await
@@ -261,6 +267,23 @@ async fn dispatch(cli: Cli) -> Outcome {
         }
         _ => Err(usage(format!(
             "unsupported database URL scheme {scheme:?}: use postgres://, mysql:// or sqlite://"
+        ))),
+    }
+}
+
+/// One connection first, so that a server nobody listens on (refused, an
+/// unknown host) is said at once and in its own words, not as a pool that
+/// timed out retrying.
+async fn probe<C: sqlx::Connection>(options: &C::Options, wait: Duration) -> Outcome {
+    match tokio::time::timeout(wait, C::connect_with(options)).await {
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+            Ok(())
+        }
+        Ok(Err(e)) => Err(usage(format!("no database at the URL given: {e}"))),
+        Err(_) => Err(usage(format!(
+            "no database at the URL given: no answer within {} s",
+            wait.as_secs()
         ))),
     }
 }
