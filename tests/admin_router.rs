@@ -648,7 +648,7 @@ async fn every_answer_forbids_framing_caching_and_referrers<DB: Store>() {
         );
         assert_eq!(header("x-frame-options"), "DENY", "{what}");
         assert_eq!(header("cache-control"), "no-store", "{what}");
-        assert_eq!(header("referrer-policy"), "no-referrer", "{what}");
+        assert_eq!(header("referrer-policy"), "same-origin", "{what}");
     }
 }
 

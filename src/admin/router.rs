@@ -95,7 +95,11 @@ pub struct Actor(pub String);
 /// Every answer carries `Content-Security-Policy: frame-ancestors 'none'`
 /// and `X-Frame-Options: DENY` (no page can be framed by another, on this
 /// host or elsewhere), `Cache-Control: no-store` and `Referrer-Policy:
-/// no-referrer`.
+/// same-origin` (no URL of the console leaves its origin; `no-referrer`
+/// would make a browser send `Origin: null` with the console's own form
+/// posts, which the same-origin check must refuse). Answers made outside
+/// the router (your authentication layer's `401`, an outer app's `404`)
+/// are yours to dress.
 ///
 /// # Limits
 ///
@@ -126,7 +130,9 @@ async fn guarded(mut res: Response) -> Response {
         (header::CONTENT_SECURITY_POLICY, "frame-ancestors 'none'"),
         (header::X_FRAME_OPTIONS, "DENY"),
         (header::CACHE_CONTROL, "no-store"),
-        (header::REFERRER_POLICY, "no-referrer"),
+        // Not `no-referrer`: under it a browser sends `Origin: null` with
+        // the console's own form posts, which the CSRF check refuses.
+        (header::REFERRER_POLICY, "same-origin"),
     ] {
         headers.insert(name, header::HeaderValue::from_static(value));
     }
@@ -444,7 +450,10 @@ async fn carry_out<DB: AdminBackend>(
         seen,
     } = req;
     // Whether the verdict named a claim id (a lease-mode record's fence).
-    let named_claim = seen.as_ref().is_some_and(|(_, claim, _)| claim.is_some());
+    // A lease-mode record seen without its claim id: a malformed verdict.
+    let claim_missing = seen
+        .as_ref()
+        .is_some_and(|(generation, claim, _)| *generation > 0 && claim.is_none());
     let outcome = match seen {
         Some((generation, claim_id, parks)) => {
             let seen = Seen::new(generation, parks, claim_id);
@@ -486,7 +495,7 @@ async fn carry_out<DB: AdminBackend>(
             // another claim (or none), never a missing record.
             if let (ResolveError::Gone, Some(now)) = (&e, &record) {
                 let refusal = match &now.claim_id {
-                    Some(claim) if !named_claim => Refusal::bad(format!(
+                    Some(claim) if claim_missing => Refusal::bad(format!(
                         "claim_id is required for this record: name the claim_id it showed \
                          ({claim}), with its generation and parks"
                     )),

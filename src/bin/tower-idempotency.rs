@@ -342,7 +342,7 @@ async fn status<DB: AdminBackend>(ledger: &Ledger<DB>, json: bool) -> Outcome {
         println!(
             "{:<22} {:<40} {:>12}",
             c.status.as_str(),
-            clip(&c.operation, 40),
+            clip(&shown(&c.operation), 40),
             c.rows
         );
     }
@@ -593,11 +593,11 @@ async fn resolve<DB: AdminBackend>(ledger: &Ledger<DB>, args: ResolveArgs, json:
         } else {
             println!(
                 "would record {verdict} on {} / {} / {} ({}), as {}",
-                row.principal,
-                row.operation,
-                row.key,
-                row.describe(),
-                by.actor()
+                shown(&row.principal),
+                shown(&row.operation),
+                shown(&row.key),
+                shown(&row.describe()),
+                shown(by.actor())
             );
         }
         return Ok(());
@@ -619,9 +619,9 @@ async fn resolve<DB: AdminBackend>(ledger: &Ledger<DB>, args: ResolveArgs, json:
             } else {
                 println!(
                     "resolved {} / {} / {}: {} (generation {}) -> {}, by {}",
-                    done.before.principal,
-                    done.before.operation,
-                    done.before.key,
+                    shown(&done.before.principal),
+                    shown(&done.before.operation),
+                    shown(&done.before.key),
                     done.before.status.as_str(),
                     done.before.generation,
                     after.map_or_else(
@@ -635,7 +635,7 @@ async fn resolve<DB: AdminBackend>(ledger: &Ledger<DB>, args: ResolveArgs, json:
                             ),
                         }
                     ),
-                    by.actor()
+                    shown(by.actor())
                 );
             }
             Ok(())
@@ -678,7 +678,7 @@ async fn moved<DB: AdminBackend>(
     Failure::Refused(
         format!(
             "refused: {why}; it is {} now: show it again and decide on what it is now",
-            row.describe()
+            shown(&row.describe())
         ),
         Some(json!({
             "refused": refusal_kind(&e),
@@ -709,7 +709,12 @@ async fn settled<DB: AdminBackend>(ledger: &Ledger<DB>, row: &LedgerRow) -> Fail
     };
     let (who, by) = match &last {
         Some(e) => (
-            format!("{} at {} ({})", e.actor, time(e.recorded_at), e.reason),
+            format!(
+                "{} at {} ({})",
+                shown(&e.actor),
+                time(e.recorded_at),
+                shown(&e.reason)
+            ),
             json!(e.actor),
         ),
         None => (

@@ -399,7 +399,8 @@ impl From<sqlx::Error> for LeaseError {
 #[cfg(feature = "axum")]
 impl axum::response::IntoResponse for LeaseError {
     /// The problem document for the error (`409 #lease-lost`, `503
-    /// #reconciling`, or a `503` that ends the lease so the retry resumes);
+    /// #reconciling`, `500 #lease-misuse` for a misuse or an invalid name,
+    /// or a `503` that ends the lease so the retry resumes);
     /// the layer replaces it with the answer the record's state calls for.
     /// A store error's own text is logged, never sent.
     fn into_response(self) -> axum::response::Response {

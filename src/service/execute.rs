@@ -231,7 +231,7 @@ impl<DB: Backend> Run<DB> {
                 Ok(None) => false,
                 Err(e) => {
                     tracing::warn!(error = %e, "the claimed transaction ended and the ledger could not be read");
-                    let detail = "the database ended the transaction, and the ledger could not be read to tell what became of this key; nothing was recorded, retry with the same key";
+                    let detail = "the database ended the transaction, and the ledger could not be read to tell what became of this key; its outcome is not known yet, retry with the same key";
                     let problem =
                         Problem::new(ProblemKind::StoreUnavailable, detail).retry_after(1);
                     return refuse(problem, 1);
