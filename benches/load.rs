@@ -400,9 +400,19 @@ fn order_request(keys: Keys, body: &'static str) -> Request<Full<Bytes>> {
         }
         Keys::One => req = req.header("idempotency-key", "the-one-key"),
     }
-    req.body(Full::new(Bytes::from_static(body.as_bytes())))
-        .unwrap()
+    // New orders spread over the 64 stock rows, as in the reference
+    // workload (`bench/pg-limit`): one hot row would measure its lock queue,
+    // not the ledger. A replay sends the same body each time.
+    let body = if body == ORDER && !matches!(keys, Keys::One) {
+        let sku = SKU_SEQ.fetch_add(1, Ordering::Relaxed) % 64;
+        Bytes::from(ORDER.replace("A-10", &format!("S-{sku}")))
+    } else {
+        Bytes::from_static(body.as_bytes())
+    };
+    req.body(Full::new(body)).unwrap()
 }
+
+static SKU_SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// `workers` keep-alive connections sending as fast as answers come back.
 async fn load(
@@ -525,13 +535,49 @@ async fn main() {
         "CREATE TABLE orders (id TEXT PRIMARY KEY, principal TEXT NOT NULL, currency TEXT NOT NULL, amount BIGINT NOT NULL);
          CREATE TABLE order_items (order_id TEXT NOT NULL REFERENCES orders (id), line BIGINT NOT NULL, sku TEXT NOT NULL, qty BIGINT NOT NULL, PRIMARY KEY (order_id, line));
          CREATE TABLE stock (sku TEXT PRIMARY KEY, qty BIGINT NOT NULL CHECK (qty >= 0));
-         INSERT INTO stock VALUES ('A-10', 1000000000), ('EMPTY', 0);",
+         INSERT INTO stock VALUES ('A-10', 1000000000), ('EMPTY', 0);
+         INSERT INTO stock SELECT 'S-' || i, 1000000000 FROM generate_series(0, 63) i;",
     )
     .execute(&setup)
     .await
     .unwrap();
     setup.close().await;
 
+    // `TI_BENCH_PROFILE=layer|bare|two|v6 [TI_BENCH_SECS=20]`: serve one route at
+    // c = 8 and print its CPU split only, for `perf record` alongside.
+    if let Ok(which) = std::env::var("TI_BENCH_PROFILE") {
+        let route = match which.as_str() {
+            "bare" => Route::Bare,
+            "two" => Route::TwoWrites,
+            "v6" => Route::V6,
+            _ => Route::Layer,
+        };
+        let keys = if route == Route::Bare {
+            Keys::None
+        } else {
+            Keys::Unique
+        };
+        let secs = std::env::var("TI_BENCH_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(20);
+        let server = serve(&url, route).await;
+        load(server.addr, 8, keys, ORDER, Duration::from_secs(2)).await;
+        let (s0, l0, p0) = cpu_now();
+        let run = load(server.addr, 8, keys, ORDER, Duration::from_secs(secs)).await;
+        let (s1, l1, p1) = cpu_now();
+        let n = run.requests.max(1) as f64;
+        println!(
+            "{which}: {:.0} req/s, per request: service {:.0} us, PostgreSQL {:.0} us, load {:.0} us, {:?}",
+            run.rps(),
+            (s1 - s0) / n,
+            (p1 - p0) / n,
+            (l1 - l0) / n,
+            run.statuses
+        );
+        server.stop().await;
+        return;
+    }
     println!(
         "tower-idempotency load benchmark: PostgreSQL, loopback HTTP/1.1, {} s per phase, {} cores",
         PHASE.as_secs(),
