@@ -114,6 +114,15 @@ pub enum ResolveError {
         /// The record's generation now.
         generation: i64,
     },
+    /// The operator's lookup names more than one record (the key as sent,
+    /// and another stored with the same text; see
+    /// [`Lookup::new`](crate::admin::Lookup::new)): nothing was settled.
+    /// Name the record exactly as stored.
+    Ambiguous {
+        /// Each record's stored `(principal, operation, key)`, the reading
+        /// as sent first.
+        scopes: Vec<(String, String, String)>,
+    },
     /// The store failed.
     Store(sqlx::Error),
 }
@@ -134,6 +143,11 @@ impl std::fmt::Display for ResolveError {
             Self::Changed { generation } => write!(
                 f,
                 "the record was taken over since it was listed (generation {generation} now); list it again"
+            ),
+            Self::Ambiguous { scopes } => write!(
+                f,
+                "the lookup names {} records; name one exactly as stored",
+                scopes.len()
             ),
             Self::Store(e) => write!(f, "ledger: {e}"),
         }

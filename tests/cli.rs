@@ -20,6 +20,7 @@ on_every_store!(
     sweep_status_and_migrate,
     a_default_mode_record_is_rerun_by_deleting_it,
     a_verdict_on_a_record_that_moved_since_show_is_refused,
+    a_quoted_key_is_read_as_sent_and_an_ambiguous_one_is_never_resolved,
 );
 
 #[derive(Debug)]
@@ -576,4 +577,113 @@ async fn unresolved_and_show_print_scopes_whole_and_escaped<DB: Store>() {
     assert_eq!(shown.code, 0, "{shown:?}");
     assert!(!shown.stdout.contains('\u{1b}'), "no raw escape: {shown:?}");
     assert!(shown.stdout.contains("\\x1b[31m-red"), "{shown:?}");
+}
+
+/// `--key '"abc"'` is the header as sent, so it names the key the layer
+/// stored as `abc`; when a stored key `"abc"` (quotes included) exists
+/// beside it, both are listed and no verdict lands without `--stored`.
+async fn a_quoted_key_is_read_as_sent_and_an_ambiguous_one_is_never_resolved<DB: Store>() {
+    use tower_idempotency::store::{Claim, Scope};
+    let (pool, _drop) = DB::fresh().await;
+    let url = DB::url_of(&pool);
+    for key in ["abc", "\"abc\"", "xyz"] {
+        let claim = Claim {
+            scope: Scope {
+                principal: PAYER,
+                operation: OPERATION,
+                key,
+            },
+            fingerprint: &[7; 32],
+            retention_ms: 86_400_000,
+            lock_wait: Duration::ZERO,
+            isolation: Default::default(),
+            cached_statements: true,
+        };
+        DB::mark_unresolved(&pool, &claim, 500).await.unwrap();
+    }
+    let keys_of = |out: &Out| -> Vec<String> {
+        out.stdout
+            .lines()
+            .filter_map(|l| l.strip_prefix("  key:       ").map(str::to_string))
+            .collect()
+    };
+
+    // Unambiguous: the header `"xyz"` names the key stored as `xyz`.
+    let mut args = vec!["show", "--json"];
+    args.extend(scope("\"xyz\""));
+    let one = cli(&url, &args).await;
+    assert_eq!(one.code, 0, "{one:?}");
+    assert_eq!(one.one_json()["key"], "xyz");
+
+    // Ambiguous: both listed, the reading as sent first; refused.
+    let mut args = vec!["show"];
+    args.extend(scope("\"abc\""));
+    let both = cli(&url, &args).await;
+    both.assert_failed(1, "ambiguous");
+    assert_eq!(keys_of(&both), ["abc", "\"abc\""], "{both:?}");
+
+    let mut args = vec!["resolve", "--rerun", "--reason", "mistyped", "--json"];
+    args.extend(scope("\"abc\""));
+    let refused = cli(&url, &args).await;
+    refused.assert_failed(1, "ambiguous");
+    assert_eq!(
+        refused.one_json()["records"].as_array().map(Vec::len),
+        Some(2)
+    );
+    for key in ["abc", "\"abc\""] {
+        let row = DB::row(
+            &pool,
+            &Scope {
+                principal: PAYER,
+                operation: OPERATION,
+                key,
+            },
+        )
+        .await
+        .unwrap()
+        .expect("nothing settled");
+        assert_eq!(row.status.as_str(), "NEEDS_RECONCILIATION", "{key}");
+    }
+
+    // --stored names the record whose stored key is `"abc"`, and only it.
+    let mut args = vec!["show", "--json", "--stored"];
+    args.extend(scope("\"abc\""));
+    let stored = cli(&url, &args).await;
+    assert_eq!(stored.code, 0, "{stored:?}");
+    assert_eq!(stored.one_json()["key"], "\"abc\"");
+    let mut args = vec![
+        "resolve",
+        "--stored",
+        "--rerun",
+        "--reason",
+        "the quoted one",
+    ];
+    args.extend(scope("\"abc\""));
+    let done = cli(&url, &args).await;
+    assert_eq!(done.code, 0, "{done:?}");
+    assert!(
+        DB::row(
+            &pool,
+            &Scope {
+                principal: PAYER,
+                operation: OPERATION,
+                key: "\"abc\""
+            }
+        )
+        .await
+        .unwrap()
+        .is_none()
+    );
+    let kept = DB::row(
+        &pool,
+        &Scope {
+            principal: PAYER,
+            operation: OPERATION,
+            key: "abc",
+        },
+    )
+    .await
+    .unwrap()
+    .expect("the other record is untouched");
+    assert_eq!(kept.status.as_str(), "NEEDS_RECONCILIATION");
 }

@@ -197,15 +197,41 @@ impl<DB: AdminBackend> Ledger<DB> {
     }
 
     /// The record `lookup` names (see [`Lookup::new`] for the forms tried),
-    /// every column. `None` when there is none. A read of committed rows,
-    /// no locks: a snapshot of the moment it ran.
+    /// every column; the reading as sent first when the lookup is
+    /// ambiguous (see [`find`](Self::find)). `None` when there is none. A
+    /// read of committed rows, no locks: a snapshot of the moment it ran.
     pub async fn show(&self, lookup: &Lookup) -> Result<Option<LedgerRow>, sqlx::Error> {
+        Ok(self.find(lookup).await?.into_iter().next())
+    }
+
+    /// Every record `lookup` may name, each once, the reading as sent
+    /// first: one at most for [`Lookup::stored`], two when a
+    /// [`Lookup::new`] is ambiguous. A read of committed rows, no locks.
+    pub async fn find(&self, lookup: &Lookup) -> Result<Vec<LedgerRow>, sqlx::Error> {
+        let mut found: Vec<LedgerRow> = Vec::new();
         for parts in lookup.candidates() {
-            if let Some(row) = DB::row(&self.pool, &record::scope_of(&parts)).await? {
-                return Ok(Some(row));
+            if let Some(row) = DB::row(&self.pool, &record::scope_of(&parts)).await?
+                && !found.iter().any(|r| r.same_scope(&row))
+            {
+                found.push(row);
             }
         }
-        Ok(None)
+        Ok(found)
+    }
+
+    /// The one record `lookup` names, for a verdict.
+    async fn one(&self, lookup: &Lookup) -> Result<LedgerRow, ResolveError> {
+        let mut found = self.find(lookup).await?;
+        match found.len() {
+            0 => Err(ResolveError::Gone),
+            1 => Ok(found.remove(0)),
+            _ => Err(ResolveError::Ambiguous {
+                scopes: found
+                    .into_iter()
+                    .map(|r| (r.principal, r.operation, r.key))
+                    .collect(),
+            }),
+        }
     }
 
     /// The record's audit trail, oldest first: its newest [`MAX_TRAIL`]
@@ -258,9 +284,7 @@ impl<DB: AdminBackend> Ledger<DB> {
         resolution: Resolution,
         by: &Attribution,
     ) -> Result<Resolved, ResolveError> {
-        let Some(before) = self.show(lookup).await? else {
-            return Err(ResolveError::Gone);
-        };
+        let before = self.one(lookup).await?;
         let seen = Seen::of(&before);
         self.resolve_read(before, &seen, resolution, by).await
     }
@@ -282,9 +306,7 @@ impl<DB: AdminBackend> Ledger<DB> {
         resolution: Resolution,
         by: &Attribution,
     ) -> Result<Resolved, ResolveError> {
-        let Some(before) = self.show(lookup).await? else {
-            return Err(ResolveError::Gone);
-        };
+        let before = self.one(lookup).await?;
         self.resolve_read(before, seen, resolution, by).await
     }
 

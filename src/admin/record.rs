@@ -57,6 +57,12 @@ pub struct LedgerRow {
 }
 
 impl LedgerRow {
+    /// Whether `other` is the same stored scope.
+    pub(crate) fn same_scope(&self, other: &Self) -> bool {
+        (&self.principal, &self.operation, &self.key)
+            == (&other.principal, &other.operation, &other.key)
+    }
+
     /// How long ago the key was claimed, milliseconds (database clock).
     pub fn age_ms(&self) -> i64 {
         self.read_at.saturating_sub(self.created_at)
@@ -280,22 +286,31 @@ impl Seen {
     }
 }
 
-/// How an operator names a record: its scope as the client sent it, or as
-/// the ledger stores it (the `sha256:…` form that listings print).
+/// How an operator names a record: its scope as the client sent it
+/// ([`new`](Self::new)), or exactly as the ledger stores it
+/// ([`stored`](Self::stored), the form listings print).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lookup {
     principal: String,
     operation: String,
     key: String,
+    stored: bool,
 }
 
 impl Lookup {
-    /// The record of `(principal, operation, key)`. [`Ledger::show`](super::Ledger::show)
-    /// tries each value as given (the stored form a listing prints), then
-    /// as the layer stores it (long values, and every key with
-    /// `with_hashed_keys`, as `sha256:…`). A key in double quotes is also
-    /// tried as the `Idempotency-Key` header's Structured Field String
-    /// (`"…"`, as a client sends it), unquoted as the layer stores it.
+    /// The record of `(principal, operation, key)` as the client sent
+    /// them: the key as the `Idempotency-Key` header's value (a Structured
+    /// Field String `"…"` or a bare value, parsed as the layer parses it),
+    /// each value in the form the layer stores it (long values, and every
+    /// key with `with_hashed_keys`, as `sha256:…`). The values are also
+    /// tried as stored, so a listing's `sha256:…` form names its record.
+    ///
+    /// When the two readings name two different records (a stored key
+    /// `"abc"`, quotes included, beside a key `abc` sent as `"abc"`), the
+    /// lookup is ambiguous: [`Ledger::find`](super::Ledger::find) returns
+    /// both, the reading as sent first, and a verdict through it is refused
+    /// ([`ResolveError::Ambiguous`](crate::reconcile::ResolveError::Ambiguous)).
+    /// Name the record with [`stored`](Self::stored) then.
     pub fn new(
         principal: impl Into<String>,
         operation: impl Into<String>,
@@ -305,49 +320,73 @@ impl Lookup {
             principal: principal.into(),
             operation: operation.into(),
             key: key.into(),
+            stored: false,
         }
     }
 
-    /// The stored scopes this lookup may name, most literal first, without
-    /// repeats (at most twenty-four, usually two).
+    /// The record whose stored scope is exactly `(principal, operation,
+    /// key)`, as listings print it: no other form is tried, so it is never
+    /// ambiguous.
+    pub fn stored(
+        principal: impl Into<String>,
+        operation: impl Into<String>,
+        key: impl Into<String>,
+    ) -> Self {
+        Self {
+            stored: true,
+            ..Self::new(principal, operation, key)
+        }
+    }
+
+    /// The stored scopes this lookup may name: the reading as sent first,
+    /// then the values as stored; without repeats (at most nineteen,
+    /// usually two).
     pub(crate) fn candidates(&self) -> Vec<(String, String, String)> {
-        let forms = |v: &str, op: bool| -> Vec<String> {
+        let literal = (
+            self.principal.clone(),
+            self.operation.clone(),
+            self.key.clone(),
+        );
+        if self.stored {
+            return vec![literal];
+        }
+        // What the layer stores for a value as sent (bounded, or hashed),
+        // then (`literal`) the value as a listing printed it.
+        let forms = |v: &str, op: bool, literal: bool| -> Vec<String> {
             let stored: Cow<'_, str> = if op {
                 crate::scope::http_operation(v)
             } else {
                 crate::scope::bounded(v)
             };
-            let mut out = vec![v.to_string()];
-            for f in [stored.into_owned(), crate::scope::hashed(v).into_owned()] {
+            let mut out = vec![stored.into_owned()];
+            for f in [crate::scope::hashed(v).into_owned(), v.to_string()]
+                .into_iter()
+                .take(if literal { 2 } else { 1 })
+            {
                 if !out.contains(&f) {
                     out.push(f);
                 }
             }
             out
         };
-        let mut keys = forms(&self.key, false);
-        // The key as sent on the wire: a Structured Field String (`"…"`)
-        // names the key the layer stored unquoted.
-        if self.key.trim_start().starts_with('"')
-            && let Ok(parsed) =
-                crate::key::IdempotencyKey::parse(self.key.as_bytes(), crate::key::KeyMode::Strict)
-        {
-            for f in forms(parsed.as_str(), false) {
-                if !keys.contains(&f) {
-                    keys.push(f);
-                }
-            }
-        }
+        // The key as the header carried it: the layer stores a Structured
+        // Field String (`"…"`) unquoted, a bare value as it is.
+        let sent_key =
+            crate::key::IdempotencyKey::parse(self.key.as_bytes(), crate::key::KeyMode::Lenient)
+                .map_or_else(|_| self.key.clone(), |k| k.as_str().to_string());
         let mut out = Vec::new();
-        for p in forms(&self.principal, false).into_iter().take(2) {
-            for o in forms(&self.operation, true).into_iter().take(2) {
-                for k in &keys {
-                    let c = (p.clone(), o.clone(), k.clone());
+        for p in forms(&self.principal, false, true) {
+            for o in forms(&self.operation, true, true) {
+                for k in forms(&sent_key, false, false) {
+                    let c = (p.clone(), o.clone(), k);
                     if !out.contains(&c) {
                         out.push(c);
                     }
                 }
             }
+        }
+        if !out.contains(&literal) {
+            out.push(literal);
         }
         out
     }

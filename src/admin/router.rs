@@ -153,7 +153,7 @@ struct ScopeQuery {
 
 impl ScopeQuery {
     fn lookup(&self) -> Lookup {
-        Lookup::new(&self.principal, &self.operation, &self.key)
+        Lookup::stored(&self.principal, &self.operation, &self.key)
     }
 }
 
@@ -359,7 +359,7 @@ impl Request {
             }
         };
         Ok(Self {
-            lookup: Lookup::new(&scope.0, &scope.1, &scope.2),
+            lookup: Lookup::stored(&scope.0, &scope.1, &scope.2),
             resolution,
             by,
             seen,
