@@ -75,14 +75,20 @@
 //! Built with the `admin` feature and started with `ADMIN_TOKEN` set, the
 //! service mounts [`tower_idempotency::admin::router`] under `/admin`,
 //! behind [`operators_only`]: a request needs `Authorization: Bearer
-//! $ADMIN_TOKEN`, or the cookie that `GET /admin/login?token=$ADMIN_TOKEN`
-//! sets for a browser. Verdicts are recorded as `$ADMIN_ACTOR` (default
-//! `operator`). A stand-in for real operator authentication (single
-//! sign-on, mTLS): the console never authenticates by itself.
+//! $ADMIN_TOKEN` (scripts), or the session cookie a browser gets by posting
+//! the token to the login form at `/admin/login`. The cookie holds a random
+//! session id, never the token (`HttpOnly`, `SameSite=Strict`, path
+//! `/admin`, `Secure` when a TLS proxy says `X-Forwarded-Proto: https`); a
+//! session lasts `$ADMIN_SESSION_SECS` (8 hours by default), `POST
+//! /admin/logout` ends it, and the token is never taken from a URL (it
+//! would land in history and logs). Verdicts are recorded as
+//! `$ADMIN_ACTOR` (default `operator`). A stand-in for real operator
+//! authentication (single sign-on, mTLS): the console never authenticates
+//! by itself.
 //!
 //! ```text
 //! ADMIN_TOKEN=s3cret cargo run --example payment_service --features admin -- …
-//! open 'http://127.0.0.1:3002/admin/login?token=s3cret'
+//! open 'http://127.0.0.1:3002/admin/login'
 //! ```
 //! SIGTERM (or ctrl-c) stops accepting, lets requests in progress finish,
 //! and stops the completer.
@@ -858,28 +864,52 @@ fn router<DB: PaymentDb>(app: App<DB>, mode: LeaseMode) -> Router {
 }
 
 /// The operators' console behind [`operators_only`], and the browser's
-/// login route beside it.
+/// login and logout routes beside it.
 #[cfg(feature = "admin")]
 fn console<DB: PaymentDb>(pool: &Pool<DB>, token: String) -> Router {
+    use axum::routing::post;
     use tower_idempotency::admin::{self, Actor, Ledger};
     let actor = std::env::var("ADMIN_ACTOR").unwrap_or_else(|_| "operator".into());
+    let lifetime = std::env::var("ADMIN_SESSION_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(SESSION_LIFETIME, Duration::from_secs);
     let auth = ConsoleAuth {
         token: token.into(),
         actor: Actor(actor),
+        sessions: Default::default(),
+        lifetime,
     };
     let console = admin::router(Ledger::new(pool.clone()))
         .layer(middleware::from_fn_with_state(auth.clone(), operators_only));
     Router::new()
-        .route("/login", get(login).with_state(auth))
+        .route("/login", get(login_form).post(login))
+        .route("/logout", post(logout))
+        .with_state(auth)
         .merge(console)
 }
 
-/// The console's stand-in authentication: one shared token.
+/// How long a console session lasts by default: 8 hours.
+#[cfg(feature = "admin")]
+const SESSION_LIFETIME: Duration = Duration::from_secs(8 * 60 * 60);
+/// The most sessions held at once; a login beyond is refused (`503`).
+#[cfg(feature = "admin")]
+const MAX_SESSIONS: usize = 1024;
+/// The session cookie's name.
+#[cfg(feature = "admin")]
+const SESSION_COOKIE: &str = "admin_session";
+
+/// The console's stand-in authentication: one shared token, traded at the
+/// login form for a random session id that expires.
 #[cfg(feature = "admin")]
 #[derive(Clone)]
 struct ConsoleAuth {
     token: std::sync::Arc<str>,
     actor: tower_idempotency::admin::Actor,
+    /// Session id -> when it expires.
+    sessions:
+        std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, tokio::time::Instant>>>,
+    lifetime: Duration,
 }
 
 #[cfg(feature = "admin")]
@@ -889,10 +919,52 @@ impl ConsoleAuth {
         let (a, b) = (self.token.as_bytes(), sent.as_bytes());
         a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
     }
+
+    /// Whether `id` names a session that has not expired.
+    fn in_session(&self, id: &str) -> bool {
+        let now = tokio::time::Instant::now();
+        let Ok(sessions) = self.sessions.lock() else {
+            return false;
+        };
+        sessions.get(id).is_some_and(|until| *until > now)
+    }
+
+    /// A new session's id (128 random bits from the OS), or `None` when
+    /// the OS has no randomness or [`MAX_SESSIONS`] live sessions exist.
+    fn open_session(&self) -> Option<String> {
+        let mut bytes = [0u8; 16];
+        getrandom::fill(&mut bytes).ok()?;
+        let id: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let now = tokio::time::Instant::now();
+        let mut sessions = self.sessions.lock().ok()?;
+        sessions.retain(|_, until| *until > now);
+        if sessions.len() >= MAX_SESSIONS {
+            return None;
+        }
+        sessions.insert(id.clone(), now + self.lifetime);
+        Some(id)
+    }
+
+    fn close_session(&self, id: &str) {
+        if let Ok(mut sessions) = self.sessions.lock() {
+            sessions.remove(id);
+        }
+    }
+}
+
+/// The value of the cookie `name` in `headers`.
+#[cfg(feature = "admin")]
+fn cookie<'h>(headers: &'h axum::http::HeaderMap, name: &str) -> Option<&'h str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .find_map(|c| c.trim().strip_prefix(name)?.strip_prefix('='))
 }
 
 /// Lets a request through to the console with `Authorization: Bearer
-/// $ADMIN_TOKEN` or the login cookie, as the operator `$ADMIN_ACTOR`;
+/// $ADMIN_TOKEN` or a live session cookie, as the operator `$ADMIN_ACTOR`;
 /// anything else is `401`.
 #[cfg(feature = "admin")]
 async fn operators_only(State(auth): State<ConsoleAuth>, mut req: Request, next: Next) -> Response {
@@ -900,18 +972,32 @@ async fn operators_only(State(auth): State<ConsoleAuth>, mut req: Request, next:
     let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    let cookie = headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .find_map(|c| c.trim().strip_prefix("admin_token="));
-    if !bearer.into_iter().chain(cookie).any(|t| auth.accepts(t)) {
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|t| auth.accepts(t));
+    let session = cookie(headers, SESSION_COOKIE).is_some_and(|id| auth.in_session(id));
+    if !bearer && !session {
         return (StatusCode::UNAUTHORIZED, "operators only\n").into_response();
     }
     req.extensions_mut().insert(auth.actor.clone());
     next.run(req).await
+}
+
+/// `GET /admin/login`: the form that posts the token.
+#[cfg(feature = "admin")]
+async fn login_form() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-store"),
+            (header::X_FRAME_OPTIONS, "DENY"),
+        ],
+        "<!doctype html><title>Console login</title>\
+         <form method=\"post\" action=\"/admin/login\">\
+         <label>Operator token <input type=\"password\" name=\"token\" id=\"token\" \
+         autocomplete=\"current-password\"></label> \
+         <button type=\"submit\" id=\"login\">Log in</button></form>",
+    )
+        .into_response()
 }
 
 #[cfg(feature = "admin")]
@@ -920,19 +1006,27 @@ struct Login {
     token: String,
 }
 
-/// `GET /admin/login?token=…`: sets the console's cookie (HttpOnly,
-/// SameSite=Strict, path /admin) and goes to the console.
+/// `POST /admin/login` (form: `token`): with the right token, a new
+/// session's cookie and a redirect to the console; else `401`.
 #[cfg(feature = "admin")]
 async fn login(
     State(auth): State<ConsoleAuth>,
-    axum::extract::Query(q): axum::extract::Query<Login>,
+    headers: axum::http::HeaderMap,
+    axum::extract::Form(form): axum::extract::Form<Login>,
 ) -> Response {
-    if !auth.accepts(&q.token) {
+    if !auth.accepts(&form.token) {
         return (StatusCode::UNAUTHORIZED, "operators only\n").into_response();
     }
+    let Some(id) = auth.open_session() else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "no session free\n").into_response();
+    };
+    let tls = headers
+        .get("x-forwarded-proto")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"https"));
     let cookie = format!(
-        "admin_token={}; HttpOnly; SameSite=Strict; Path=/admin",
-        q.token
+        "{SESSION_COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/admin; Max-Age={}{}",
+        auth.lifetime.as_secs(),
+        if tls { "; Secure" } else { "" }
     );
     match HeaderValue::from_str(&cookie) {
         Ok(cookie) => (
@@ -943,8 +1037,27 @@ async fn login(
             ],
         )
             .into_response(),
-        Err(_) => StatusCode::BAD_REQUEST.into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     }
+}
+
+/// `POST /admin/logout`: ends the session and clears its cookie.
+#[cfg(feature = "admin")]
+async fn logout(State(auth): State<ConsoleAuth>, headers: axum::http::HeaderMap) -> Response {
+    if let Some(id) = cookie(&headers, SESSION_COOKIE) {
+        auth.close_session(id);
+    }
+    (
+        StatusCode::SEE_OTHER,
+        [
+            (
+                header::SET_COOKIE,
+                format!("{SESSION_COOKIE}=; HttpOnly; SameSite=Strict; Path=/admin; Max-Age=0"),
+            ),
+            (header::LOCATION, "/admin/login".to_string()),
+        ],
+    )
+        .into_response()
 }
 
 async fn serve<DB: PaymentDb>(

@@ -69,8 +69,13 @@ async fn http(
         let mut req = Request::builder()
             .method(method)
             .uri(path)
-            .header("host", addr)
-            .header("content-type", "application/json");
+            .header("host", addr);
+        if !headers
+            .iter()
+            .any(|(n, _)| n.eq_ignore_ascii_case("content-type"))
+        {
+            req = req.header("content-type", "application/json");
+        }
         for (name, value) in headers {
             req = req.header(*name, *value);
         }
@@ -318,6 +323,132 @@ fn base64_decodes() {
     assert_eq!(base64_decode("YWJj"), b"abc");
 }
 
+/// The example's console login: the token is posted once, the cookie holds
+/// a random session id (never the token), the token in a URL logs no one
+/// in, and a session ends at logout or when it expires.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_console_login_keeps_the_token_out_of_cookies_and_urls() {
+    let (url, _drop) = sqlx::Postgres::fresh_url().await;
+    let (_service, service) = common::start_example(
+        "payment_service",
+        &[
+            "--addr",
+            "127.0.0.1:0",
+            "--provider",
+            "http://127.0.0.1:9",
+            "--completer-interval-ms",
+            "600000",
+        ],
+        &[
+            ("DATABASE_URL", &url),
+            ("ADMIN_TOKEN", TOKEN),
+            ("ADMIN_SESSION_SECS", "3"),
+        ],
+    )
+    .await;
+    let form = [("content-type", "application/x-www-form-urlencoded")];
+    let cookie_of = |a: &Answer| -> Option<String> {
+        let set = a.headers.get("set-cookie")?.to_str().ok()?;
+        Some(set.split(';').next()?.to_string())
+    };
+    // The token in a URL is ignored: a form, no cookie.
+    let by_url = http(
+        &service,
+        Method::GET,
+        &format!("/admin/login?token={TOKEN}"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(by_url.status, StatusCode::OK, "{by_url:?}");
+    assert!(by_url.headers.get("set-cookie").is_none(), "{by_url:?}");
+    assert!(String::from_utf8_lossy(&by_url.body).contains("type=\"password\""));
+    let wrong = http(&service, Method::POST, "/admin/login", &form, "token=nope").await;
+    assert_eq!(wrong.status, StatusCode::UNAUTHORIZED, "{wrong:?}");
+    assert!(wrong.headers.get("set-cookie").is_none());
+
+    let login = http(
+        &service,
+        Method::POST,
+        "/admin/login",
+        &form,
+        &format!("token={TOKEN}"),
+    )
+    .await;
+    assert_eq!(login.status, StatusCode::SEE_OTHER, "{login:?}");
+    let set = login.headers["set-cookie"].to_str().unwrap().to_string();
+    assert!(!set.contains(TOKEN), "the token never in a cookie: {set}");
+    for attr in ["HttpOnly", "SameSite=Strict", "Path=/admin", "Max-Age=3"] {
+        assert!(set.contains(attr), "{attr} in {set}");
+    }
+    assert!(!set.contains("Secure"), "plain HTTP: {set}");
+    let session = cookie_of(&login).unwrap();
+    let id = session.strip_prefix("admin_session=").unwrap();
+    assert_eq!(id.len(), 32, "128 random bits: {id}");
+    let again = http(
+        &service,
+        Method::POST,
+        "/admin/login",
+        &form,
+        &format!("token={TOKEN}"),
+    )
+    .await;
+    assert_ne!(
+        cookie_of(&again),
+        Some(session.clone()),
+        "a new id per login"
+    );
+    let behind_tls = http(
+        &service,
+        Method::POST,
+        "/admin/login",
+        &[form[0], ("x-forwarded-proto", "https")],
+        &format!("token={TOKEN}"),
+    )
+    .await;
+    assert!(
+        behind_tls.headers["set-cookie"]
+            .to_str()
+            .unwrap()
+            .contains("; Secure")
+    );
+
+    let with = |c: &str| {
+        let c = c.to_string();
+        let service = service.clone();
+        async move {
+            http(&service, Method::GET, "/admin", &[("cookie", &c)], "")
+                .await
+                .status
+        }
+    };
+    assert_eq!(with(&session).await, StatusCode::OK);
+    assert_eq!(
+        with(&format!("admin_session={TOKEN}")).await,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        with(&format!("admin_token={TOKEN}")).await,
+        StatusCode::UNAUTHORIZED
+    );
+    // Logout ends the session at once.
+    let other = cookie_of(&again).unwrap();
+    assert_eq!(with(&other).await, StatusCode::OK);
+    let out = http(
+        &service,
+        Method::POST,
+        "/admin/logout",
+        &[("cookie", &other)],
+        "",
+    )
+    .await;
+    assert_eq!(out.status, StatusCode::SEE_OTHER, "{out:?}");
+    assert_eq!(with(&other).await, StatusCode::UNAUTHORIZED);
+    // And a session expires.
+    tokio::time::sleep(Duration::from_millis(3200)).await;
+    assert_eq!(with(&session).await, StatusCode::UNAUTHORIZED);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_operator_settles_a_parked_payment_in_the_browser_and_the_retry_replays_it() {
     let (_provider, provider) =
@@ -383,9 +514,9 @@ async fn an_operator_settles_a_parked_payment_in_the_browser_and_the_retry_repla
         .to_string();
 
     let browser = Browser::start().await;
-    browser
-        .go(&format!("http://{service}/admin/login?token={TOKEN}"))
-        .await;
+    browser.go(&format!("http://{service}/admin/login")).await;
+    browser.type_into("#token", TOKEN).await;
+    browser.click("#login").await;
     assert!(
         browser.url().await.ends_with("/admin"),
         "{}",
