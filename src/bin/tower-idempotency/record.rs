@@ -60,7 +60,7 @@ pub(crate) async fn the_record<DB: AdminBackend>(
             }
             Err(Failure::Refused(
                 format!(
-                    "ambiguous: the key names {n} records (listed above); \
+                    "ambiguous: the key names {n} records, each listed; \
                      name one with --stored and its values as listed"
                 ),
                 Some(json!({
