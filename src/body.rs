@@ -24,6 +24,8 @@ pin_project! {
     enum Inner<B> {
         Buffered { data: Option<Bytes> },
         Streaming { #[pin] body: B },
+        // What was read of `body` already, then the rest of it.
+        Prefixed { data: Option<Bytes>, body: Pin<Box<B>> },
     }
 }
 
@@ -32,6 +34,14 @@ impl<B> IdempotencyBody<B> {
         let data = (!data.is_empty()).then_some(data);
         Self {
             inner: Inner::Buffered { data },
+        }
+    }
+
+    /// `prefix` (read from `body` already), then the rest of `body`.
+    pub(crate) fn prefixed(prefix: Bytes, body: Pin<Box<B>>) -> Self {
+        let data = (!prefix.is_empty()).then_some(prefix);
+        Self {
+            inner: Inner::Prefixed { data, body },
         }
     }
 
@@ -50,6 +60,10 @@ impl<B> std::fmt::Debug for IdempotencyBody<B> {
                 .field("len", &data.as_ref().map_or(0, Bytes::len))
                 .finish(),
             Inner::Streaming { .. } => f.write_str("IdempotencyBody::Streaming"),
+            Inner::Prefixed { data, .. } => f
+                .debug_struct("IdempotencyBody::Prefixed")
+                .field("prefix", &data.as_ref().map_or(0, Bytes::len))
+                .finish(),
         }
     }
 }
@@ -68,6 +82,10 @@ where
         match self.project().inner.project() {
             InnerProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
             InnerProj::Streaming { body } => body.poll_frame(cx),
+            InnerProj::Prefixed { data, body } => match data.take() {
+                Some(d) => Poll::Ready(Some(Ok(Frame::data(d)))),
+                None => body.as_mut().poll_frame(cx),
+            },
         }
     }
 
@@ -75,6 +93,7 @@ where
         match &self.inner {
             Inner::Buffered { data } => data.is_none(),
             Inner::Streaming { body } => body.is_end_stream(),
+            Inner::Prefixed { data, body } => data.is_none() && body.is_end_stream(),
         }
     }
 
@@ -84,6 +103,16 @@ where
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             Inner::Streaming { body } => body.size_hint(),
+            Inner::Prefixed { data, body } => {
+                let prefix = data.as_ref().map_or(0, |d| d.len() as u64);
+                let rest = body.size_hint();
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower().saturating_add(prefix));
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper.saturating_add(prefix));
+                }
+                hint
+            }
         }
     }
 }

@@ -168,8 +168,15 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         Ok(self)
     }
 
-    /// The largest response body recorded, in bytes; a larger answer is
-    /// rolled back and replaced by `500`. The default is 1 MiB.
+    /// The largest response body recorded, in bytes. A larger answer is
+    /// never undone for its size: its operation commits with the answer's
+    /// status and headers and a mark that the body was not kept; the
+    /// client that ran it gets the whole body as it streams (only the first
+    /// `bytes` are held while the commit runs), and a retry gets the
+    /// recorded status and headers with a `#response-too-large` problem
+    /// body in place of the body, never a second run. Set it per route (a
+    /// layer per route) for exports and batch answers. The default is
+    /// 1 MiB.
     pub fn with_max_response_body(mut self, bytes: usize) -> Result<Self, ConfigError> {
         self.config.max_response_body = nonzero(bytes, "max_response_body")?;
         Ok(self)

@@ -50,9 +50,9 @@ impl IdempotencyOutcome {
                 ProblemKind::TransactionEnded => "transaction-ended",
                 ProblemKind::Reconciling => "reconciling",
                 ProblemKind::CommitUnknown => "commit-unknown",
-                ProblemKind::ResponseTooLarge
-                | ProblemKind::ResponseUnreadable
-                | ProblemKind::TransactionHeld => "transient-rollback",
+                ProblemKind::ResponseUnreadable | ProblemKind::TransactionHeld => {
+                    "transient-rollback"
+                }
                 _ => "refused",
             },
         }

@@ -19,7 +19,7 @@
 //! | [`Expired`](ProblemKind::Expired) | 410 | `#expired` | the key's retention is over; it is never executed again. Names `resource_id` (and `resource` plus a `Link` header when a resource link is configured) |
 //! | [`CommitUnknown`](ProblemKind::CommitUnknown) | 503 + `Retry-After` | `#commit-unknown` | the connection was lost during `COMMIT` and nothing is recorded: on PostgreSQL the server reports the transaction rolled back (`txid_status`), or could not say and the ledger shows no commit; elsewhere the ledger shows no commit |
 //! | [`StoreUnavailable`](ProblemKind::StoreUnavailable) | 503 + `Retry-After` | `#store-unavailable` | the ledger could not be reached; nothing was executed |
-//! | [`ResponseTooLarge`](ProblemKind::ResponseTooLarge) | 500 | `#response-too-large` | the handler's answer was over the recording limit; rolled back |
+//! | [`ResponseTooLarge`](ProblemKind::ResponseTooLarge) | the recorded status | `#response-too-large` | a replay: the first answer with this key was over the recording limit; its operation committed and its status and headers were recorded without its body, which this problem body replaces (the first client got the whole body) |
 //! | [`ResponseUnreadable`](ProblemKind::ResponseUnreadable) | 500 | `#response-unreadable` | the handler's body failed while being recorded; rolled back |
 //! | [`TransactionHeld`](ProblemKind::TransactionHeld) | 500 | `#transaction-held` | the handler kept the transaction handle past its response; rolled back |
 //! | [`StoreBusy`](ProblemKind::StoreBusy) | 503 + `Retry-After` | `#store-busy` | the store is busy (SQLite's write lock, no free pooled connection); nothing was executed |
@@ -69,7 +69,10 @@ pub enum ProblemKind {
     CommitUnknown,
     /// The ledger store could not be reached before anything was executed.
     StoreUnavailable,
-    /// The handler's response body was over the recording limit.
+    /// A replay of an answer whose body was over the recording limit: the
+    /// operation committed, its status and headers were recorded, and its
+    /// body was not kept (the first client got it whole). Answered with the
+    /// recorded status, never by running the handler again.
     ResponseTooLarge,
     /// The handler's response body failed while being read for recording.
     ResponseUnreadable,

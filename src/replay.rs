@@ -5,9 +5,18 @@
 //! returns exactly those, plus `Idempotent-Replayed: true` unless disabled.
 //! Headers off the allow-list (dates, trace ids, cookies) are not recorded:
 //! they describe an attempt, not the result.
+//!
+//! An answer whose body is over the recording limit is never undone for
+//! its size: the operation commits with the answer's status and headers and
+//! a mark that its body was not kept, the first client gets the whole body
+//! as it streams, and a retry gets the recorded status and headers with a
+//! problem body (`#response-too-large`) that says so, never a second run.
 
 use bytes::{BufMut, Bytes, BytesMut};
+use http::header::{CONTENT_ENCODING, CONTENT_LANGUAGE, CONTENT_LENGTH, CONTENT_TYPE};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+
+use crate::problem::{Problem, ProblemKind};
 
 /// The header added to replayed responses.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
@@ -35,13 +44,71 @@ impl StoredResponse {
         }
     }
 
+    /// Captures an answer whose body was over the recording `limit`: its
+    /// status and allow-listed headers, and a mark that its body was not
+    /// kept (a line no header can be, so earlier versions skip it).
+    pub(crate) fn capture_not_kept(
+        status: StatusCode,
+        headers: &HeaderMap,
+        allow: &[HeaderName],
+        limit: usize,
+    ) -> Self {
+        let mut encoded = encode_headers(headers, allow);
+        encoded.extend_from_slice(format!("{NOT_KEPT}{limit}\n").as_bytes());
+        Self {
+            status: status.as_u16(),
+            headers: encoded,
+            body: Bytes::new(),
+        }
+    }
+
+    /// The recording limit the body went over, when it was not kept.
+    fn not_kept(&self) -> Option<&str> {
+        self.headers
+            .split(|&b| b == b'\n')
+            .find_map(|l| l.strip_prefix(NOT_KEPT.as_bytes()))
+            .and_then(|limit| std::str::from_utf8(limit).ok())
+    }
+
     /// Rebuilds the response. Unreadable stored headers are skipped rather
     /// than failing the replay; the status and body are what the contract
-    /// promises byte for byte.
+    /// promises byte for byte. An answer whose body was not kept replays its
+    /// status and headers with a problem body
+    /// ([`ResponseTooLarge`](crate::ProblemKind::ResponseTooLarge)) in place
+    /// of the body.
     pub(crate) fn to_response(&self, replayed_header: bool) -> Response<Bytes> {
-        let mut res = Response::new(self.body.clone());
-        *res.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
-        decode_headers(&self.headers, res.headers_mut());
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
+        let mut res = match self.not_kept() {
+            None => Response::new(self.body.clone()),
+            Some(limit) => {
+                let detail = format!(
+                    "the first request with this Idempotency-Key completed with status {}; its \
+                     answer was larger than the recording limit ({limit} bytes) and was not \
+                     kept. Read the resource it names (Location) instead of retrying",
+                    status.as_u16()
+                );
+                Problem::new(ProblemKind::ResponseTooLarge, detail)
+                    .status(status)
+                    .into_response()
+            }
+        };
+        *res.status_mut() = status;
+        let mut recorded = HeaderMap::new();
+        decode_headers(&self.headers, &mut recorded);
+        if self.not_kept().is_some() {
+            // The problem body's own representation stands.
+            for name in [
+                CONTENT_TYPE,
+                CONTENT_ENCODING,
+                CONTENT_LANGUAGE,
+                CONTENT_LENGTH,
+            ] {
+                recorded.remove(name);
+            }
+        }
+        for (name, value) in &recorded {
+            res.headers_mut().append(name, value.clone());
+        }
         if replayed_header {
             res.headers_mut().insert(
                 HeaderName::from_static(IDEMPOTENT_REPLAYED),
@@ -51,6 +118,10 @@ impl StoredResponse {
         res
     }
 }
+
+/// The line that marks an answer whose body was not kept, followed by the
+/// recording limit.
+const NOT_KEPT: &str = ":body-not-kept:";
 
 /// `name:value\n` per header; values cannot hold `\n` (the `http` crate
 /// refuses them), and names cannot hold `:`.

@@ -225,7 +225,7 @@ impl<DB: Backend> Completer<DB> {
             }
         };
         guard.disarm();
-        let (_, outcome) = settle(&leased, res, &self.recorded_headers).await;
+        let (_, outcome) = settle(&leased, res, &self.recorded_headers, None).await;
         Some(outcome)
     }
 

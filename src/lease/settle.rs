@@ -32,11 +32,14 @@ pub(crate) async fn release<DB: Backend>(leased: &Leased<DB>) {
 }
 
 /// Keeps what the handler's answer says to keep and returns what the
-/// client gets.
+/// client gets. `not_kept`: the answer's body was over this recording
+/// limit and is not in `res` (it is recorded without its body, and an
+/// `Executed` outcome means the caller sends the handler's whole body).
 pub(crate) async fn settle<DB: Backend>(
     leased: &Leased<DB>,
     res: Response<Bytes>,
     recorded_headers: &[HeaderName],
+    not_kept: Option<usize>,
 ) -> (Response<Bytes>, IdempotencyOutcome) {
     let Some(final_tx) = leased.take_final() else {
         release(leased).await;
@@ -107,7 +110,12 @@ pub(crate) async fn settle<DB: Backend>(
             };
         }
     };
-    let stored = StoredResponse::capture(parts.status, &parts.headers, recorded_headers, body);
+    let stored = match not_kept {
+        Some(limit) => {
+            StoredResponse::capture_not_kept(parts.status, &parts.headers, recorded_headers, limit)
+        }
+        None => StoredResponse::capture(parts.status, &parts.headers, recorded_headers, body),
+    };
     let completion = Completion::of(status, &stored, &parts.extensions);
     let inner = &leased.inner;
     let tx = match final_tx {

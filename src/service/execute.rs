@@ -20,7 +20,6 @@ use crate::classify::Classification;
 use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, retention_ms};
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
-use crate::replay::StoredResponse;
 use crate::store::{
     Backend, Claim, Claimed, Completion, FinishError, Record, RecordStatus, StoreErrorKind,
 };
@@ -74,8 +73,9 @@ impl<DB: Backend> Run<DB> {
                 1,
             ));
         };
-        let (res_parts, body) = match read_response(res, self.config.max_response_body).await {
-            Ok(res) => res.into_parts(),
+        let limit = self.config.max_response_body;
+        let answer = match read_response(res, limit).await {
+            Ok(answer) => answer,
             Err(problem) => {
                 if let Some(ended) = self.abandon(Some(tx), id, handler_status).await {
                     return Ok(ended);
@@ -83,6 +83,7 @@ impl<DB: Backend> Run<DB> {
                 return Ok(refuse(problem, 1));
             }
         };
+        let res_parts = answer.parts();
         let class = res_parts
             .extensions
             .get::<Classification>()
@@ -96,26 +97,23 @@ impl<DB: Backend> Run<DB> {
                 if let Some(ended) = self.abandon(Some(tx), id, handler_status).await {
                     return Ok(ended);
                 }
-                return Ok(buffered(Response::from_parts(res_parts, body), outcome));
+                return Ok(answer.into_response(outcome));
             }
         };
-        let stored = StoredResponse::capture(
-            res_parts.status,
-            &res_parts.headers,
-            &self.config.recorded_headers,
-            body,
-        );
+        // An answer over the limit is recorded without its body: the
+        // operation it reports is never undone for its size.
+        let stored = answer.stored(&self.config.recorded_headers, limit);
         let completion = Completion::of(status, &stored, &res_parts.extensions);
         let committing = Instant::now();
         let finished = DB::finish(&self.pool, tx, &self.ledger_claim(id), &completion).await;
         observe::timing("commit_ms", committing.elapsed());
         // The answer as the handler gave it, with the key's expiry.
         let respond = |expiry: Option<HeaderValue>| {
-            let mut res = Response::from_parts(res_parts, stored.body);
+            let mut res = answer.into_response(outcome);
             if let Some(expiry) = expiry {
                 res.headers_mut().insert(IDEMPOTENCY_KEY_EXPIRES, expiry);
             }
-            Ok(buffered(res, outcome))
+            Ok(res)
         };
         // What a failed commit means, for every store: the one place it is
         // decided.

@@ -12,8 +12,8 @@ use tower_service::Service;
 
 use super::claim::{MIN_READ_WAIT, Pending, backoff};
 use super::{
-    Answer, BoxError, CatchUnwind, Identity, Run, buffered, read_response, refusal, refuse,
-    store_problem, within,
+    Answer, BoxError, CatchUnwind, Identity, ReadAnswer, Run, buffered, read_response, refusal,
+    refuse, store_problem, within,
 };
 use crate::body::IdempotencyBody;
 use crate::expiry::retention_ms;
@@ -21,6 +21,7 @@ use crate::lease::new_claim_id;
 use crate::lease::settle::{ReleaseOnDrop, park_unreadable, release, settle};
 use crate::lease::{LeaseMode, Leased};
 use crate::observe;
+use crate::outcome::IdempotencyOutcome;
 use crate::problem::Problem;
 use crate::store::{
     Backend, Claim, Fence, LeaseState, OwnedClaim, OwnedScope, Owning, RecordStatus, claim_data,
@@ -237,17 +238,45 @@ impl<DB: Backend> Run<DB> {
             }
             Ok(Ok(res)) => res,
         };
-        let res = match read_response(res, self.config.max_response_body).await {
-            Ok(res) => res,
+        let limit = self.config.max_response_body;
+        let answer = match read_response(res, limit).await {
+            Ok(answer) => answer,
             Err(problem) => {
                 guard.disarm();
                 release(&leased).await;
                 return Ok(refuse(problem, 1));
             }
         };
-        let (res, outcome) = settle(&leased, res, &self.config.recorded_headers).await;
+        let headers = &self.config.recorded_headers;
+        let res = match answer {
+            ReadAnswer::Whole(parts, body) => {
+                let (res, outcome) =
+                    settle(&leased, Response::from_parts(parts, body), headers, None).await;
+                buffered(res, outcome)
+            }
+            // Recorded without its body; the client that ran it gets the
+            // whole body as it streams.
+            ReadAnswer::Over {
+                parts,
+                prefix,
+                rest,
+            } => {
+                let res = Response::from_parts(parts, Bytes::new());
+                let (res, outcome) = settle(&leased, res, headers, Some(limit)).await;
+                if matches!(outcome, IdempotencyOutcome::Executed(_)) {
+                    let over = ReadAnswer::Over {
+                        parts: res.into_parts().0,
+                        prefix,
+                        rest,
+                    };
+                    over.into_response(outcome)
+                } else {
+                    buffered(res, outcome)
+                }
+            }
+        };
         guard.disarm();
-        Ok(buffered(res, outcome))
+        Ok(res)
     }
 }
 

@@ -30,6 +30,7 @@ use crate::key::IdempotencyKey;
 use crate::local::Local;
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
+use crate::replay::StoredResponse;
 use crate::scope::{bounded, default_operation, hashed, http_operation};
 use crate::store::{Backend, Scope, StoreErrorKind};
 
@@ -368,27 +369,91 @@ pub(super) async fn within<T>(
 }
 
 /// Buffers the handler's answer for recording, up to `limit` bytes.
-async fn read_response<B>(res: Response<B>, limit: usize) -> Result<Response<Bytes>, Problem>
+/// A handler's answer as the layer read it: whole, or (over the recording
+/// limit) what was read and the rest of the body, still streaming.
+pub(super) enum ReadAnswer<B> {
+    Whole(http::response::Parts, Bytes),
+    Over {
+        parts: http::response::Parts,
+        prefix: Bytes,
+        rest: Pin<Box<B>>,
+    },
+}
+
+impl<B> ReadAnswer<B> {
+    fn parts(&self) -> &http::response::Parts {
+        match self {
+            Self::Whole(parts, _) => parts,
+            Self::Over { parts, .. } => parts,
+        }
+    }
+
+    /// What the ledger keeps of it: the whole answer, or (over `limit`)
+    /// its status and headers with the mark that its body was not kept.
+    fn stored(&self, allow: &[http::HeaderName], limit: usize) -> StoredResponse {
+        match self {
+            Self::Whole(parts, body) => {
+                StoredResponse::capture(parts.status, &parts.headers, allow, body.clone())
+            }
+            Self::Over { parts, .. } => {
+                StoredResponse::capture_not_kept(parts.status, &parts.headers, allow, limit)
+            }
+        }
+    }
+
+    /// The answer as the client gets it, whole or streaming on, marked
+    /// with `outcome`.
+    pub(super) fn into_response(self, outcome: IdempotencyOutcome) -> Response<IdempotencyBody<B>> {
+        let mut res = match self {
+            Self::Whole(parts, body) => {
+                Response::from_parts(parts, IdempotencyBody::buffered(body))
+            }
+            Self::Over {
+                parts,
+                prefix,
+                rest,
+            } => Response::from_parts(parts, IdempotencyBody::prefixed(prefix, rest)),
+        };
+        res.extensions_mut().insert(outcome);
+        res
+    }
+}
+
+/// Reads the handler's answer up to `limit` bytes: past it, the rest is
+/// left unread (see [`ReadAnswer::Over`]), so a large answer is never
+/// buffered whole. A body that fails is a problem.
+async fn read_response<B>(res: Response<B>, limit: usize) -> Result<ReadAnswer<B>, Problem>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     let (parts, body) = res.into_parts();
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(Response::from_parts(parts, collected.to_bytes())),
-        Err(e) => {
-            let (kind, detail) = if e.downcast_ref::<LengthLimitError>().is_some() {
-                (
-                    ProblemKind::ResponseTooLarge,
-                    "the response was larger than the recording limit; nothing was committed",
-                )
-            } else {
-                (
+    let mut body = Box::pin(body);
+    let mut read = bytes::BytesMut::new();
+    loop {
+        match body.frame().await {
+            None => {
+                return Ok(ReadAnswer::Whole(parts, read.freeze()));
+            }
+            Some(Ok(frame)) => {
+                // Trailers are not kept (yet): only the data counts.
+                if let Ok(data) = frame.into_data() {
+                    read.extend_from_slice(&data);
+                    if read.len() > limit {
+                        return Ok(ReadAnswer::Over {
+                            parts,
+                            prefix: read.freeze(),
+                            rest: body,
+                        });
+                    }
+                }
+            }
+            Some(Err(_)) => {
+                return Err(Problem::new(
                     ProblemKind::ResponseUnreadable,
                     "the response body failed while being recorded; nothing was committed",
-                )
-            };
-            Err(Problem::new(kind, detail))
+                ));
+            }
         }
     }
 }

@@ -1611,3 +1611,40 @@ pub async fn a_handler_that_deletes_its_ledger_row_commits_nothing<DB: Conforman
     assert_eq!(retry.status, StatusCode::CREATED);
     assert_eq!(h.orders().await, 1);
 }
+
+/// Case: an answer over the recording limit (2 MiB, streamed, against the
+/// default 1 MiB) commits its operation once, reaches its client whole,
+/// and its retry replays the recorded status and headers with a problem
+/// body, never running the handler again.
+pub async fn an_answer_over_the_recording_limit_commits_once_and_never_runs_again<
+    DB: ConformanceDb,
+>(
+    h: Harness<DB>,
+) {
+    let app = h.app();
+    let big = r#"{"amount":12000,"items":[],"mode":"big"}"#;
+    let first = send(&app, order(ALICE, KEY, big)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.headers);
+    assert_eq!(first.body.len(), 2 * 1024 * 1024, "the whole answer");
+    assert!(first.body.iter().all(|&b| b == b'x'));
+    assert!(!first.replayed());
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+
+    let retry = send(&app, order(ALICE, KEY, big)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "the recorded status");
+    assert!(retry.replayed());
+    assert_eq!(retry.headers["location"], first.headers["location"]);
+    assert_eq!(retry.headers["content-type"], "application/problem+json");
+    let doc = retry.json();
+    assert!(
+        doc["type"]
+            .as_str()
+            .is_some_and(|t| t.ends_with("#response-too-large")),
+        "{doc}"
+    );
+    assert_eq!(doc["status"], 201);
+    assert_eq!(h.executions(), 1, "never run again");
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger().await, 1);
+}

@@ -159,6 +159,27 @@ fn bearer(parts: &http::request::Parts) -> Option<Principal> {
     (!token.is_empty()).then(|| Principal::new(token))
 }
 
+/// `left` copies of `chunk`, as a streamed answer.
+struct Chunks {
+    chunk: Bytes,
+    left: usize,
+}
+
+impl futures_core::Stream for Chunks {
+    type Item = Result<Bytes, std::convert::Infallible>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        if self.left == 0 {
+            return std::task::Poll::Ready(None);
+        }
+        self.left -= 1;
+        std::task::Poll::Ready(Some(Ok(self.chunk.clone())))
+    }
+}
+
 async fn create_order<DB: ConformanceDb>(
     State(st): State<AppState<DB>>,
     headers: HeaderMap,
@@ -230,6 +251,23 @@ async fn create_order<DB: ConformanceDb>(
                 StatusCode::BAD_GATEWAY,
                 Extension(Classification::FinalFailure),
                 "declined upstream",
+            )
+                .into_response();
+        }
+        // An export-sized answer: 2 MiB in 64 KiB chunks, over the
+        // default recording limit.
+        "big" => {
+            let chunks = Chunks {
+                chunk: Bytes::from(vec![b'x'; 64 * 1024]),
+                left: 32,
+            };
+            return (
+                StatusCode::CREATED,
+                [
+                    ("location", format!("/orders/{id}")),
+                    ("content-type", "application/octet-stream".to_string()),
+                ],
+                axum::body::Body::from_stream(chunks),
             )
                 .into_response();
         }
@@ -534,6 +572,7 @@ macro_rules! conformance_suite {
             stricter_isolation_keeps_the_guarantees,
             migrations_upgrade_in_place_and_run_concurrently,
             dropped_futures_leave_a_clean_connection,
+            an_answer_over_the_recording_limit_commits_once_and_never_runs_again,
             a_handler_that_deletes_its_ledger_row_commits_nothing,
             lease_first_payment_charges_once_and_replays,
             lease_charge_then_dropped_attempt_resumes_without_a_second_charge,
