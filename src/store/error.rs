@@ -20,12 +20,12 @@ pub enum StoreErrorKind {
     Other,
 }
 
-/// Why [`Backend::finish`] returned no expiry. A commit the store knows
+/// Why [`Backend::finish`](super::Backend::finish) returned no expiry. A commit the store knows
 /// landed is no error: `finish` returns `Ok`.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum FinishError {
-    /// A driver error, sorted by [`Backend::error_kind`]. Nothing was
+    /// A driver error, sorted by [`Backend::error_kind`](super::Backend::error_kind). Nothing was
     /// committed, unless its kind is [`StoreErrorKind::ConnectionLost`]:
     /// then the commit's outcome is unknown to the store, and the layer
     /// re-reads the ledger to find out.
