@@ -1,13 +1,16 @@
 //! The body type the layer hands to the inner service and returns.
 //!
 //! Guarded requests are buffered (to fingerprint them) and answered from a
-//! buffer (to record them); everything else streams through untouched. One
+//! buffer (to record them), trailers included; an answer over the
+//! recording limit streams on after what was read; everything else streams
+//! through untouched. One
 //! type covers both so the inner service sees a single body type.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
@@ -22,7 +25,7 @@ pin_project! {
 pin_project! {
     #[project = InnerProj]
     enum Inner<B> {
-        Buffered { data: Option<Bytes> },
+        Buffered { data: Option<Bytes>, trailers: Option<HeaderMap> },
         Streaming { #[pin] body: B },
         // What was read of `body` already, then the rest of it.
         Prefixed { data: Option<Bytes>, body: Pin<Box<B>> },
@@ -31,9 +34,15 @@ pin_project! {
 
 impl<B> IdempotencyBody<B> {
     pub(crate) fn buffered(data: Bytes) -> Self {
+        Self::buffered_with(data, None)
+    }
+
+    /// `data`, then `trailers` when there are any.
+    pub(crate) fn buffered_with(data: Bytes, trailers: Option<HeaderMap>) -> Self {
         let data = (!data.is_empty()).then_some(data);
+        let trailers = trailers.filter(|t| !t.is_empty());
         Self {
-            inner: Inner::Buffered { data },
+            inner: Inner::Buffered { data, trailers },
         }
     }
 
@@ -55,9 +64,10 @@ impl<B> IdempotencyBody<B> {
 impl<B> std::fmt::Debug for IdempotencyBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.inner {
-            Inner::Buffered { data } => f
+            Inner::Buffered { data, trailers } => f
                 .debug_struct("IdempotencyBody::Buffered")
                 .field("len", &data.as_ref().map_or(0, Bytes::len))
+                .field("trailers", &trailers.as_ref().map_or(0, HeaderMap::len))
                 .finish(),
             Inner::Streaming { .. } => f.write_str("IdempotencyBody::Streaming"),
             Inner::Prefixed { data, .. } => f
@@ -80,7 +90,12 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().inner.project() {
-            InnerProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            InnerProj::Buffered { data, trailers } => Poll::Ready(
+                data.take()
+                    .map(Frame::data)
+                    .or_else(|| trailers.take().map(Frame::trailers))
+                    .map(Ok),
+            ),
             InnerProj::Streaming { body } => body.poll_frame(cx),
             InnerProj::Prefixed { data, body } => match data.take() {
                 Some(d) => Poll::Ready(Some(Ok(Frame::data(d)))),
@@ -91,7 +106,7 @@ where
 
     fn is_end_stream(&self) -> bool {
         match &self.inner {
-            Inner::Buffered { data } => data.is_none(),
+            Inner::Buffered { data, trailers } => data.is_none() && trailers.is_none(),
             Inner::Streaming { body } => body.is_end_stream(),
             Inner::Prefixed { data, body } => data.is_none() && body.is_end_stream(),
         }
@@ -99,7 +114,7 @@ where
 
     fn size_hint(&self) -> SizeHint {
         match &self.inner {
-            Inner::Buffered { data } => {
+            Inner::Buffered { data, .. } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             Inner::Streaming { body } => body.size_hint(),

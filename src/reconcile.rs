@@ -249,7 +249,7 @@ impl Verdict {
         };
         let (parts, body) = response.into_parts();
         let names: Vec<_> = parts.headers.keys().cloned().collect();
-        let stored = StoredResponse::capture(parts.status, &parts.headers, &names, body);
+        let stored = StoredResponse::capture(parts.status, &parts.headers, &names, body, None);
         Self {
             answer: Some((status, stored)),
         }

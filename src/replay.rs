@@ -1,7 +1,8 @@
 //! Recording a response and replaying it byte for byte.
 //!
 //! A recorded response is its status, the headers on the layer's allow-list
-//! (by default `content-type` and `location`) and the whole body. A replay
+//! (by default `content-type` and `location`), the whole body and every
+//! trailer (gRPC's `grpc-status` travels there). A replay
 //! returns exactly those, plus `Idempotent-Replayed: true` unless disabled.
 //! Headers off the allow-list (dates, trace ids, cookies) are not recorded:
 //! they describe an attempt, not the result.
@@ -30,16 +31,29 @@ pub(crate) struct StoredResponse {
 }
 
 impl StoredResponse {
-    /// Captures `status`, the allow-listed `headers` and `body`.
+    /// Captures `status`, the allow-listed `headers`, `body` and every
+    /// trailer (`trailers`: what the body ended with).
     pub(crate) fn capture(
         status: StatusCode,
         headers: &HeaderMap,
         allow: &[HeaderName],
         body: Bytes,
+        trailers: Option<&Trailers>,
     ) -> Self {
+        let mut encoded = encode_headers(headers, allow);
+        if let Some(Trailers(trailers)) = trailers.filter(|t| !t.0.is_empty()) {
+            encoded.extend_from_slice(TRAILERS.as_bytes());
+            encoded.push(b'\n');
+            for (name, value) in trailers {
+                encoded.extend_from_slice(name.as_str().as_bytes());
+                encoded.push(b':');
+                encoded.extend_from_slice(value.as_bytes());
+                encoded.push(b'\n');
+            }
+        }
         Self {
             status: status.as_u16(),
-            headers: encode_headers(headers, allow),
+            headers: encoded,
             body,
         }
     }
@@ -93,8 +107,7 @@ impl StoredResponse {
             }
         };
         *res.status_mut() = status;
-        let mut recorded = HeaderMap::new();
-        decode_headers(&self.headers, &mut recorded);
+        let (mut recorded, trailers) = decode_headers(&self.headers);
         if self.not_kept().is_some() {
             // The problem body's own representation stands.
             for name in [
@@ -109,6 +122,9 @@ impl StoredResponse {
         for (name, value) in &recorded {
             res.headers_mut().append(name, value.clone());
         }
+        if !trailers.is_empty() {
+            res.extensions_mut().insert(Trailers(trailers));
+        }
         if replayed_header {
             res.headers_mut().insert(
                 HeaderName::from_static(IDEMPOTENT_REPLAYED),
@@ -118,6 +134,17 @@ impl StoredResponse {
         res
     }
 }
+
+/// A recorded answer's trailers, inside the layer: carried as a response
+/// extension from where the body is read (or the record decoded) to where
+/// the body the client gets is built.
+#[derive(Debug, Clone)]
+pub(crate) struct Trailers(pub(crate) HeaderMap);
+
+/// The line after the recorded headers that starts the recorded trailers
+/// (one `name:value` line each). No header can be named so, so earlier
+/// versions skip the line itself.
+const TRAILERS: &str = ":trailers:";
 
 /// The line that marks an answer whose body was not kept, followed by the
 /// recording limit.
@@ -138,8 +165,16 @@ fn encode_headers(headers: &HeaderMap, allow: &[HeaderName]) -> Vec<u8> {
     out.to_vec()
 }
 
-fn decode_headers(encoded: &[u8], into: &mut HeaderMap) {
+/// The recorded headers and trailers. Lines that are neither (the marks)
+/// are skipped.
+fn decode_headers(encoded: &[u8]) -> (HeaderMap, HeaderMap) {
+    let (mut headers, mut trailers) = (HeaderMap::new(), HeaderMap::new());
+    let mut into = &mut headers;
     for line in encoded.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
+        if line == TRAILERS.as_bytes() {
+            into = &mut trailers;
+            continue;
+        }
         let Some(colon) = line.iter().position(|&b| b == b':') else {
             continue;
         };
@@ -151,6 +186,7 @@ fn decode_headers(encoded: &[u8], into: &mut HeaderMap) {
         };
         into.append(name, value);
     }
+    (headers, trailers)
 }
 
 /// The headers recorded by default: the body's representation and `Location`.
@@ -182,6 +218,7 @@ mod tests {
             &h,
             &[CONTENT_TYPE, LOCATION],
             body.clone(),
+            None,
         );
         let res = stored.to_response(true);
         assert_eq!(res.status(), StatusCode::CREATED);

@@ -114,7 +114,13 @@ pub(crate) async fn settle<DB: Backend>(
         Some(limit) => {
             StoredResponse::capture_not_kept(parts.status, &parts.headers, recorded_headers, limit)
         }
-        None => StoredResponse::capture(parts.status, &parts.headers, recorded_headers, body),
+        None => StoredResponse::capture(
+            parts.status,
+            &parts.headers,
+            recorded_headers,
+            body,
+            parts.extensions.get(),
+        ),
     };
     let completion = Completion::of(status, &stored, &parts.extensions);
     let inner = &leased.inner;

@@ -30,7 +30,7 @@ use crate::key::IdempotencyKey;
 use crate::local::Local;
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
-use crate::replay::StoredResponse;
+use crate::replay::{StoredResponse, Trailers};
 use crate::scope::{bounded, default_operation, hashed, http_operation};
 use crate::store::{Backend, Scope, StoreErrorKind};
 
@@ -155,9 +155,16 @@ fn streamed<B>(res: Response<B>, outcome: IdempotencyOutcome) -> Response<Idempo
 }
 
 fn buffered<B>(res: Response<Bytes>, outcome: IdempotencyOutcome) -> Response<IdempotencyBody<B>> {
-    let mut res = res.map(IdempotencyBody::buffered);
+    let mut res = buffered_body(res);
     res.extensions_mut().insert(outcome);
     res
+}
+
+/// A whole answer's body for the client: its bytes, then the trailers it
+/// carries (as read, or as recorded).
+fn buffered_body<B>(mut res: Response<Bytes>) -> Response<IdempotencyBody<B>> {
+    let trailers = res.extensions_mut().remove::<Trailers>().map(|t| t.0);
+    res.map(|body| IdempotencyBody::buffered_with(body, trailers))
 }
 
 fn refusal(problem: Problem, attempts: u32) -> (Response<Bytes>, IdempotencyOutcome) {
@@ -392,9 +399,13 @@ impl<B> ReadAnswer<B> {
     /// its status and headers with the mark that its body was not kept.
     fn stored(&self, allow: &[http::HeaderName], limit: usize) -> StoredResponse {
         match self {
-            Self::Whole(parts, body) => {
-                StoredResponse::capture(parts.status, &parts.headers, allow, body.clone())
-            }
+            Self::Whole(parts, body) => StoredResponse::capture(
+                parts.status,
+                &parts.headers,
+                allow,
+                body.clone(),
+                parts.extensions.get(),
+            ),
             Self::Over { parts, .. } => {
                 StoredResponse::capture_not_kept(parts.status, &parts.headers, allow, limit)
             }
@@ -405,9 +416,7 @@ impl<B> ReadAnswer<B> {
     /// with `outcome`.
     pub(super) fn into_response(self, outcome: IdempotencyOutcome) -> Response<IdempotencyBody<B>> {
         let mut res = match self {
-            Self::Whole(parts, body) => {
-                Response::from_parts(parts, IdempotencyBody::buffered(body))
-            }
+            Self::Whole(parts, body) => buffered_body(Response::from_parts(parts, body)),
             Self::Over {
                 parts,
                 prefix,
@@ -427,7 +436,7 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    let (parts, body) = res.into_parts();
+    let (mut parts, body) = res.into_parts();
     let mut body = Box::pin(body);
     let mut read = bytes::BytesMut::new();
     loop {
@@ -436,16 +445,22 @@ where
                 return Ok(ReadAnswer::Whole(parts, read.freeze()));
             }
             Some(Ok(frame)) => {
-                // Trailers are not kept (yet): only the data counts.
-                if let Ok(data) = frame.into_data() {
-                    read.extend_from_slice(&data);
-                    if read.len() > limit {
-                        return Ok(ReadAnswer::Over {
-                            parts,
-                            prefix: read.freeze(),
-                            rest: body,
-                        });
+                let frame = match frame.into_data() {
+                    Ok(data) => {
+                        read.extend_from_slice(&data);
+                        if read.len() > limit {
+                            return Ok(ReadAnswer::Over {
+                                parts,
+                                prefix: read.freeze(),
+                                rest: body,
+                            });
+                        }
+                        continue;
                     }
+                    Err(frame) => frame,
+                };
+                if let Ok(trailers) = frame.into_trailers() {
+                    parts.extensions.insert(Trailers(trailers));
                 }
             }
             Some(Err(_)) => {

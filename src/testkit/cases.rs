@@ -1648,3 +1648,26 @@ pub async fn an_answer_over_the_recording_limit_commits_once_and_never_runs_agai
     assert_eq!(h.orders().await, 1);
     assert_eq!(h.ledger().await, 1);
 }
+
+/// Case: an answer's trailers reach the client on the first answer, are
+/// recorded, and come back identical on a replay.
+pub async fn trailers_are_recorded_and_replayed<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app();
+    let with = r#"{"amount":12000,"items":[],"mode":"trailers"}"#;
+    let first = send(&app, order(ALICE, KEY, with)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let trailers = first.trailers.clone().expect("the first answer's trailers");
+    assert_eq!(trailers["grpc-status"], "0");
+    assert_eq!(trailers["x-checksum"], "sha256=abc");
+    let retry = send(&app, order(ALICE, KEY, with)).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.status, first.status);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(retry.trailers, first.trailers, "the same trailers replayed");
+    assert!(
+        retry.headers.get("grpc-status").is_none(),
+        "trailers stay trailers"
+    );
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+}

@@ -159,6 +159,28 @@ fn bearer(parts: &http::request::Parts) -> Option<Principal> {
     (!token.is_empty()).then(|| Principal::new(token))
 }
 
+/// A body: `data`, then `trailers`.
+struct WithTrailers {
+    data: Option<Bytes>,
+    trailers: Option<HeaderMap>,
+}
+
+impl http_body::Body for WithTrailers {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        let frame = match self.data.take() {
+            Some(data) => Some(http_body::Frame::data(data)),
+            None => self.trailers.take().map(http_body::Frame::trailers),
+        };
+        std::task::Poll::Ready(frame.map(Ok))
+    }
+}
+
 /// `left` copies of `chunk`, as a streamed answer.
 struct Chunks {
     chunk: Bytes,
@@ -251,6 +273,22 @@ async fn create_order<DB: ConformanceDb>(
                 StatusCode::BAD_GATEWAY,
                 Extension(Classification::FinalFailure),
                 "declined upstream",
+            )
+                .into_response();
+        }
+        // An answer whose body ends with trailers (as gRPC's do).
+        "trailers" => {
+            let mut trailers = HeaderMap::new();
+            trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+            trailers.insert("x-checksum", http::HeaderValue::from_static("sha256=abc"));
+            let body = WithTrailers {
+                data: Some(Bytes::from(json!({"orderId": id}).to_string())),
+                trailers: Some(trailers),
+            };
+            return (
+                StatusCode::CREATED,
+                [("location", format!("/orders/{id}"))],
+                axum::body::Body::new(body),
             )
                 .into_response();
         }
@@ -475,6 +513,8 @@ pub struct Answer {
     pub headers: HeaderMap,
     /// The response body, byte for byte.
     pub body: Bytes,
+    /// The trailers the body ended with, if any.
+    pub trailers: Option<HeaderMap>,
     /// What the layer reported it did, from the response extensions.
     pub outcome: Option<crate::IdempotencyOutcome>,
 }
@@ -507,12 +547,14 @@ impl Answer {
 pub async fn send(app: &Router, req: Request<axum::body::Body>) -> Answer {
     let res = app.clone().oneshot(req).await.unwrap();
     let (parts, body) = res.into_parts();
-    let body = body.collect().await.unwrap().to_bytes();
+    let collected = body.collect().await.unwrap();
+    let trailers = collected.trailers().cloned();
     Answer {
         status: parts.status,
         outcome: parts.extensions.get().copied(),
         headers: parts.headers,
-        body,
+        body: collected.to_bytes(),
+        trailers,
     }
 }
 
@@ -573,6 +615,7 @@ macro_rules! conformance_suite {
             migrations_upgrade_in_place_and_run_concurrently,
             dropped_futures_leave_a_clean_connection,
             an_answer_over_the_recording_limit_commits_once_and_never_runs_again,
+            trailers_are_recorded_and_replayed,
             a_handler_that_deletes_its_ledger_row_commits_nothing,
             lease_first_payment_charges_once_and_replays,
             lease_charge_then_dropped_attempt_resumes_without_a_second_charge,
