@@ -37,6 +37,12 @@ pub(crate) fn one_line(msg: &str) -> String {
 /// escape sequence, a newline) written as `\x1b` or `\u{…}`, and a
 /// backslash as `\\`, so nothing stored reaches the terminal raw and the
 /// spelling is never ambiguous.
+/// Invisible characters that reorder or hide what a terminal shows: the
+/// bidirectional controls, zero-width characters and the byte order mark.
+fn reorders(c: char) -> bool {
+    matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
+}
+
 pub(crate) fn shown(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
@@ -45,7 +51,7 @@ pub(crate) fn shown(s: &str) -> String {
             c if c.is_control() && (c as u32) < 0x80 => {
                 out.push_str(&format!("\\x{:02x}", c as u32));
             }
-            c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c if c.is_control() || reorders(c) => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
             c => out.push(c),
         }
     }
@@ -91,6 +97,9 @@ mod tests {
         assert_eq!(super::shown("a\\x1b"), "a\\\\x1b");
         assert_eq!(super::shown("line\nnext\u{85}"), "line\\x0anext\\u{85}");
         assert_eq!(super::shown("plain ü"), "plain ü");
+        // A right-to-left override would make the terminal show the rest reversed.
+        assert_eq!(super::shown("a\u{202e}1-yap"), "a\\u{202e}1-yap");
+        assert_eq!(super::shown("a\u{200b}b\u{feff}"), "a\\u{200b}b\\u{feff}");
     }
 
     #[test]
