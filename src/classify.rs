@@ -11,8 +11,24 @@
 //! A handler overrides the default for one response by putting a
 //! [`Classification`] in the response extensions (with axum:
 //! `(Extension(Classification::FinalFailure), …)`).
+//!
+//! A gRPC answer (`content-type: application/grpc…`) is sorted by its
+//! `grpc-status` (in the trailers, or in the headers of a trailers-only
+//! answer) instead of its HTTP status, which is `200` either way:
+//!
+//! | class | `grpc-status` |
+//! |---|---|
+//! | [`Success`](Classification::Success) | `OK` (0) |
+//! | [`Rejected`](Classification::Rejected) | `INVALID_ARGUMENT` (3), `NOT_FOUND` (5), `PERMISSION_DENIED` (7), `OUT_OF_RANGE` (11), `UNIMPLEMENTED` (12), `UNAUTHENTICATED` (16) |
+//! | [`FinalFailure`](Classification::FinalFailure) | `ALREADY_EXISTS` (6), `FAILED_PRECONDITION` (9): recorded and replayed with their trailers (details included) |
+//! | [`Transient`](Classification::Transient) | `CANCELLED` (1), `UNKNOWN` (2), `DEADLINE_EXCEEDED` (4), `RESOURCE_EXHAUSTED` (8), `ABORTED` (10), `INTERNAL` (13), `UNAVAILABLE` (14), `DATA_LOSS` (15), any other code, and a finished gRPC answer with no readable `grpc-status` |
+//!
+//! A gRPC answer over the recording limit is sorted by a `grpc-status` in
+//! its headers when it has one, and is otherwise a
+//! [`Success`](Classification::Success): its trailers come after a body the
+//! layer does not hold back.
 
-use http::StatusCode;
+use http::{HeaderMap, StatusCode};
 
 /// What the ledger does with a handler's response. Insert one into the
 /// response extensions to override the status-based default.
@@ -40,6 +56,46 @@ impl Classification {
             _ => Self::Transient,
         }
     }
+
+    /// The default classification of a gRPC status code (see the module
+    /// table).
+    pub fn from_grpc_status(code: u32) -> Self {
+        match code {
+            0 => Self::Success,
+            3 | 5 | 7 | 11 | 12 | 16 => Self::Rejected,
+            6 | 9 => Self::FinalFailure,
+            _ => Self::Transient,
+        }
+    }
+
+    /// The class of an answer: the handler's mark, else (a gRPC answer)
+    /// its `grpc-status`, else its HTTP status. `trailers`: what its body
+    /// ended with; `whole`: the body was read to its end.
+    pub(crate) fn of_answer(
+        parts: &http::response::Parts,
+        trailers: Option<&HeaderMap>,
+        whole: bool,
+    ) -> Self {
+        if let Some(class) = parts.extensions.get::<Self>() {
+            return *class;
+        }
+        let grpc = parts
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+        if !grpc {
+            return Self::from_status(parts.status);
+        }
+        let code = trailers
+            .and_then(|t| t.get("grpc-status"))
+            .or_else(|| parts.headers.get("grpc-status"))
+            .and_then(|v| v.to_str().ok()?.parse::<u32>().ok());
+        match code {
+            Some(code) => Self::from_grpc_status(code),
+            None if whole => Self::Transient,
+            None => Self::Success,
+        }
+    }
 }
 
 /// The id of the resource a request created, recorded in the ledger's
@@ -63,6 +119,21 @@ impl ResourceId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_table() {
+        let c = Classification::from_grpc_status;
+        assert_eq!(c(0), Classification::Success);
+        for code in [3, 5, 7, 11, 12, 16] {
+            assert_eq!(c(code), Classification::Rejected, "{code}");
+        }
+        for code in [6, 9] {
+            assert_eq!(c(code), Classification::FinalFailure, "{code}");
+        }
+        for code in [1, 2, 4, 8, 10, 13, 14, 15, 17, 99] {
+            assert_eq!(c(code), Classification::Transient, "{code}");
+        }
+    }
 
     #[test]
     fn default_table() {

@@ -9,7 +9,7 @@ use crate::classify::Classification;
 use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date};
 use crate::outcome::IdempotencyOutcome;
 use crate::problem::{Problem, ProblemKind};
-use crate::replay::StoredResponse;
+use crate::replay::{StoredResponse, Trailers};
 use crate::store::{Backend, Completion, Fence, FinishError, LeaseWrite, RecordStatus, Scope};
 
 fn refused(problem: Problem, attempts: u32) -> (Response<Bytes>, IdempotencyOutcome) {
@@ -56,11 +56,8 @@ pub(crate) async fn settle<DB: Backend>(
         }
     }
     let (parts, body) = res.into_parts();
-    let class = parts
-        .extensions
-        .get::<Classification>()
-        .copied()
-        .unwrap_or_else(|| Classification::from_status(parts.status));
+    let trailers = parts.extensions.get::<Trailers>().map(|t| &t.0);
+    let class = Classification::of_answer(&parts, trailers, not_kept.is_none());
     let outcome = IdempotencyOutcome::Executed(class);
     let (progressed, pending) = {
         let state = leased.state();

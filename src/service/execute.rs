@@ -84,11 +84,7 @@ impl<DB: Backend> Run<DB> {
             }
         };
         let res_parts = answer.parts();
-        let class = res_parts
-            .extensions
-            .get::<Classification>()
-            .copied()
-            .unwrap_or_else(|| Classification::from_status(res_parts.status));
+        let class = answer.class();
         let outcome = IdempotencyOutcome::Executed(class);
         let status = match class {
             Classification::Success => RecordStatus::Succeeded,

@@ -23,6 +23,7 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::body::IdempotencyBody;
+use crate::classify::Classification;
 use crate::config::Config;
 use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date};
 use crate::fingerprint::Fingerprint;
@@ -393,6 +394,12 @@ impl<B> ReadAnswer<B> {
             Self::Whole(parts, _) => parts,
             Self::Over { parts, .. } => parts,
         }
+    }
+
+    /// Its class: the handler's mark, gRPC's status, or the HTTP status.
+    pub(super) fn class(&self) -> Classification {
+        let trailers = self.parts().extensions.get::<Trailers>().map(|t| &t.0);
+        Classification::of_answer(self.parts(), trailers, matches!(self, Self::Whole(..)))
     }
 
     /// What the ledger keeps of it: the whole answer, or (over `limit`)

@@ -1671,3 +1671,54 @@ pub async fn trailers_are_recorded_and_replayed<DB: ConformanceDb>(h: Harness<DB
     assert_eq!(h.executions(), 1);
     assert_eq!(h.orders().await, 1);
 }
+
+/// Case: a gRPC answer (HTTP 200) is sorted by the `grpc-status` in its
+/// trailers: `OK` recorded, `FAILED_PRECONDITION` recorded as a final
+/// failure with its trailers (business writes undone), `INVALID_ARGUMENT`
+/// and `UNAVAILABLE` rolled back with the key left usable.
+pub async fn grpc_answers_are_sorted_by_their_grpc_status<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app();
+    let call = |code: u32, key: &'static str| {
+        let app = app.clone();
+        async move {
+            let body = format!(r#"{{"amount":12000,"items":[],"mode":"grpc_{code}"}}"#);
+            send(&app, order(ALICE, Some(key), &body)).await
+        }
+    };
+    let grpc_status = |a: &super::Answer| -> String {
+        let t = a.trailers.as_ref().expect("gRPC trailers");
+        t["grpc-status"].to_str().unwrap().to_string()
+    };
+
+    // OK: recorded with the order; the retry replays it, trailers and all.
+    let ok = call(0, "grpc-ok").await;
+    assert_eq!(grpc_status(&ok), "0");
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+    let again = call(0, "grpc-ok").await;
+    assert!(again.replayed());
+    assert_eq!(again.body, ok.body);
+    assert_eq!(again.trailers, ok.trailers);
+
+    // FAILED_PRECONDITION: final, recorded, its order undone.
+    let failed = call(9, "grpc-9").await;
+    assert_eq!(failed.status, StatusCode::OK);
+    assert_eq!(grpc_status(&failed), "9");
+    assert_eq!(h.orders().await, 1, "the failed call's order is undone");
+    assert_eq!(h.ledger_with("FAILED_FINAL").await, 1);
+    let replay = call(9, "grpc-9").await;
+    assert!(replay.replayed());
+    assert_eq!(replay.trailers, failed.trailers);
+
+    // INVALID_ARGUMENT and UNAVAILABLE: nothing kept; the key runs again.
+    for (code, key) in [(3, "grpc-3"), (14, "grpc-14")] {
+        let first = call(code, key).await;
+        assert_eq!(grpc_status(&first), code.to_string());
+        assert!(!first.replayed());
+        let second = call(code, key).await;
+        assert!(!second.replayed(), "{code}: the key stays usable");
+    }
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger().await, 2);
+    assert_eq!(h.executions(), 1 + 1 + 2 * 2, "replays ran nothing");
+}

@@ -276,6 +276,30 @@ async fn create_order<DB: ConformanceDb>(
             )
                 .into_response();
         }
+        // A gRPC answer: HTTP 200, a message, `grpc-status` in the
+        // trailers (`grpc_<code>`).
+        mode if mode.starts_with("grpc_") => {
+            let mut trailers = HeaderMap::new();
+            let code = mode.trim_start_matches("grpc_").to_string();
+            trailers.insert(
+                "grpc-status",
+                http::HeaderValue::from_str(&code).expect("a code"),
+            );
+            trailers.insert(
+                "grpc-message",
+                http::HeaderValue::from_static("from%20the%20handler"),
+            );
+            let body = WithTrailers {
+                data: Some(Bytes::from(format!("\0\0\0\0\x08order-{id}"))),
+                trailers: Some(trailers),
+            };
+            return (
+                StatusCode::OK,
+                [("content-type", "application/grpc")],
+                axum::body::Body::new(body),
+            )
+                .into_response();
+        }
         // An answer whose body ends with trailers (as gRPC's do).
         "trailers" => {
             let mut trailers = HeaderMap::new();
@@ -616,6 +640,7 @@ macro_rules! conformance_suite {
             dropped_futures_leave_a_clean_connection,
             an_answer_over_the_recording_limit_commits_once_and_never_runs_again,
             trailers_are_recorded_and_replayed,
+            grpc_answers_are_sorted_by_their_grpc_status,
             a_handler_that_deletes_its_ledger_row_commits_nothing,
             lease_first_payment_charges_once_and_replays,
             lease_charge_then_dropped_attempt_resumes_without_a_second_charge,
