@@ -158,7 +158,10 @@ async fn main() {
     println!();
     println!("| route | peak RSS growth (max of runs) | each run |");
     println!("|---|---|---|");
-    println!("| bare (the body drained as made) | {} | {bare:?} |", max(&bare));
+    println!(
+        "| bare (the body drained as made) | {} | {bare:?} |",
+        max(&bare)
+    );
     println!(
         "| behind the layer (1 MiB recording limit: recorded without its body) | {} | {layer:?} |",
         max(&layer)
