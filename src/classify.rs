@@ -79,11 +79,7 @@ impl Classification {
         if let Some(class) = parts.extensions.get::<Self>() {
             return *class;
         }
-        let grpc = parts
-            .headers
-            .get(http::header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
-        if !grpc {
+        if !crate::grpc::is_grpc(&parts.headers) {
             return Self::from_status(parts.status);
         }
         let code = trailers

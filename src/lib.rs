@@ -250,6 +250,7 @@ mod config_error;
 pub mod consumer;
 mod expiry;
 mod fingerprint;
+mod grpc;
 mod key;
 mod layer;
 pub mod lease;

@@ -129,7 +129,7 @@ impl ProblemKind {
         format!("{PROBLEM_TYPE_BASE}#{}", self.slug())
     }
 
-    fn title(self) -> &'static str {
+    pub(crate) fn title(self) -> &'static str {
         match self {
             Self::MissingKey => "Idempotency-Key header required",
             Self::MalformedKey => "Malformed Idempotency-Key",

@@ -138,8 +138,13 @@ where
             pool: self.pool.clone(),
             config: Arc::clone(&self.config),
         };
+        let grpc = crate::grpc::is_grpc(req.headers());
         let guarded = async move {
             let res = run.guarded(inner, req).await;
+            let res = match res {
+                Ok(res) if grpc => Ok(crate::grpc::refusal(res)),
+                res => res,
+            };
             observe::finish(res.as_ref().ok().and_then(|r| r.extensions().get()));
             res
         };

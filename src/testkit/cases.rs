@@ -1722,3 +1722,78 @@ pub async fn grpc_answers_are_sorted_by_their_grpc_status<DB: ConformanceDb>(h: 
     assert_eq!(h.ledger().await, 2);
     assert_eq!(h.executions(), 1 + 1 + 2 * 2, "replays ran nothing");
 }
+
+/// Case: a gRPC request gets the layer's refusals as trailers-only gRPC
+/// answers (HTTP 200, `grpc-status` in the headers, no message), with the
+/// `ErrorInfo` reason of a reused key; nothing is stored.
+pub async fn grpc_requests_get_trailers_only_grpc_refusals<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app();
+    let grpc = |principal: Option<&str>, key: Option<&str>, message: &[u8]| {
+        let mut b = http::Request::post("/orders").header("content-type", "application/grpc");
+        if let Some(p) = principal {
+            b = b.header("authorization", format!("Bearer {p}"));
+        }
+        if let Some(k) = key {
+            b = b.header("idempotency-key", k);
+        }
+        b.body(axum::body::Body::from(message.to_vec())).unwrap()
+    };
+    let status_of = |a: &super::Answer| -> String {
+        assert_eq!(a.status, StatusCode::OK, "{a:?}");
+        assert_eq!(a.headers["content-type"], "application/grpc", "{a:?}");
+        assert!(a.body.is_empty(), "trailers-only: {a:?}");
+        a.headers["grpc-status"].to_str().unwrap().to_string()
+    };
+    let message = b"\0\0\0\0\x04abcd";
+    let missing = send(&app, grpc(ALICE, None, message)).await;
+    assert_eq!(status_of(&missing), "3");
+    assert!(
+        missing.headers["grpc-message"]
+            .to_str()
+            .unwrap()
+            .starts_with("missing-key")
+    );
+    let malformed = send(&app, grpc(ALICE, Some("\"unterminated"), message)).await;
+    assert_eq!(status_of(&malformed), "3");
+    let anonymous = send(&app, grpc(None, KEY, message)).await;
+    assert_eq!(status_of(&anonymous), "16");
+    h.assert_nothing_stored().await;
+
+    // The key used by a JSON order, then sent with another request.
+    let first = send(&app, order(ALICE, KEY, BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let reused = send(&app, grpc(ALICE, KEY, message)).await;
+    assert_eq!(status_of(&reused), "9");
+    let details = reused.headers["grpc-status-details-bin"].to_str().unwrap();
+    let decoded = base64_decode(details);
+    assert!(
+        decoded
+            .windows(b"IDEMPOTENCY_KEY_REUSED".len())
+            .any(|w| w == b"IDEMPOTENCY_KEY_REUSED"),
+        "{details}"
+    );
+    assert!(reused.headers.get("grpc-retry-pushback-ms").is_none());
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.ledger().await, 1);
+}
+
+/// Standard base64, padded or not.
+fn base64_decode(s: &str) -> Vec<u8> {
+    let value = |c: u8| match c {
+        b'A'..=b'Z' => u32::from(c - b'A'),
+        b'a'..=b'z' => u32::from(c - b'a') + 26,
+        b'0'..=b'9' => u32::from(c - b'0') + 52,
+        b'+' => 62,
+        _ => 63,
+    };
+    let clean: Vec<u8> = s.bytes().filter(|&c| c != b'=').collect();
+    let mut out = Vec::new();
+    for chunk in clean.chunks(4) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &c)| n | (value(c) << (18 - 6 * i)));
+        out.extend_from_slice(&n.to_be_bytes()[1..chunk.len()]);
+    }
+    out
+}

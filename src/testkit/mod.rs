@@ -641,6 +641,7 @@ macro_rules! conformance_suite {
             an_answer_over_the_recording_limit_commits_once_and_never_runs_again,
             trailers_are_recorded_and_replayed,
             grpc_answers_are_sorted_by_their_grpc_status,
+            grpc_requests_get_trailers_only_grpc_refusals,
             a_handler_that_deletes_its_ledger_row_commits_nothing,
             lease_first_payment_charges_once_and_replays,
             lease_charge_then_dropped_attempt_resumes_without_a_second_charge,

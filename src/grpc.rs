@@ -1,0 +1,197 @@
+//! gRPC's side of the boundary: a gRPC request (`content-type:
+//! application/grpc…`) gets the layer's own refusals as trailers-only gRPC
+//! answers (HTTP `200`, `grpc-status` in the headers, no message), so a
+//! gRPC client sees a status it understands and gRPC's retry policy can act
+//! on it. The key is the `idempotency-key` metadata entry (the same header,
+//! the same syntax rules).
+//!
+//! | refusal | `grpc-status` | also |
+//! |---|---|---|
+//! | missing or malformed key, invalid or oversized request | `INVALID_ARGUMENT` (3) | |
+//! | no principal | `UNAUTHENTICATED` (16) | |
+//! | key reused with another request | `FAILED_PRECONDITION` (9) | `google.rpc.ErrorInfo` reason `IDEMPOTENCY_KEY_REUSED` |
+//! | key expired | `FAILED_PRECONDITION` (9) | `google.rpc.ErrorInfo` reason `IDEMPOTENCY_KEY_EXPIRED` |
+//! | still in flight, store unavailable or busy, a conflict, a commit of unknown outcome, a key being reconciled, a lease lost | `UNAVAILABLE` (14) | `grpc-retry-pushback-ms` from the refusal's `Retry-After` |
+//! | the handler misused the transaction or lease mode, an unreadable answer | `INTERNAL` (13) | |
+//!
+//! `grpc-message` names the problem's `type` fragment and title; the
+//! `ErrorInfo` travels in `grpc-status-details-bin` (a `google.rpc.Status`,
+//! domain `tower-idempotency`).
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Response, header};
+
+use crate::body::IdempotencyBody;
+use crate::outcome::IdempotencyOutcome;
+use crate::problem::ProblemKind;
+
+/// Whether `headers` are a gRPC message's.
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// The gRPC status code of a refusal.
+fn code(kind: ProblemKind) -> u32 {
+    match kind {
+        ProblemKind::MissingKey
+        | ProblemKind::MalformedKey
+        | ProblemKind::BodyTooLarge
+        | ProblemKind::InvalidBody => 3,
+        ProblemKind::MissingPrincipal => 16,
+        ProblemKind::KeyReused | ProblemKind::Expired => 9,
+        ProblemKind::InFlight
+        | ProblemKind::Unconfirmed
+        | ProblemKind::CommitUnknown
+        | ProblemKind::StoreUnavailable
+        | ProblemKind::StoreBusy
+        | ProblemKind::TransactionConflict
+        | ProblemKind::Reconciling
+        | ProblemKind::LeaseLost => 14,
+        _ => 13,
+    }
+}
+
+/// The `ErrorInfo` reason of a refusal, where a client acts on it.
+fn reason(kind: ProblemKind) -> Option<&'static str> {
+    match kind {
+        ProblemKind::KeyReused => Some("IDEMPOTENCY_KEY_REUSED"),
+        ProblemKind::Expired => Some("IDEMPOTENCY_KEY_EXPIRED"),
+        _ => None,
+    }
+}
+
+/// The layer's refusal `res` as a trailers-only gRPC answer; any other
+/// answer as it is.
+pub(crate) fn refusal<B>(res: Response<IdempotencyBody<B>>) -> Response<IdempotencyBody<B>> {
+    let Some(&IdempotencyOutcome::Refused { problem, attempts }) = res.extensions().get() else {
+        return res;
+    };
+    let pushback = res
+        .headers()
+        .get(header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let code = code(problem);
+    let message = format!("{}: {}", problem.slug(), problem.title());
+    let mut out = Response::new(IdempotencyBody::buffered(Bytes::new()));
+    let headers = out.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    headers.insert("grpc-status", HeaderValue::from(code));
+    if let Ok(v) = HeaderValue::from_str(&percent_encode(&message)) {
+        headers.insert("grpc-message", v);
+    }
+    if let Some(reason) = reason(problem) {
+        let details = status_details(code, &message, reason);
+        if let Ok(v) = HeaderValue::from_str(&base64(&details)) {
+            headers.insert("grpc-status-details-bin", v);
+        }
+    }
+    if let (14, Some(secs)) = (code, pushback) {
+        headers.insert(
+            "grpc-retry-pushback-ms",
+            HeaderValue::from(secs.saturating_mul(1000)),
+        );
+    }
+    out.extensions_mut()
+        .insert(IdempotencyOutcome::Refused { problem, attempts });
+    out
+}
+
+/// gRPC's `grpc-message` encoding: printable ASCII but `%` as is, every
+/// other byte `%XX`.
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// A `google.rpc.Status` with one `google.rpc.ErrorInfo` detail, encoded
+/// as protobuf.
+fn status_details(code: u32, message: &str, reason: &str) -> Vec<u8> {
+    let mut info = Vec::new();
+    field(&mut info, 1, reason.as_bytes());
+    field(&mut info, 2, b"tower-idempotency");
+    let mut any = Vec::new();
+    field(&mut any, 1, b"type.googleapis.com/google.rpc.ErrorInfo");
+    field(&mut any, 2, &info);
+    let mut status = Vec::new();
+    status.push(1 << 3);
+    varint(&mut status, u64::from(code));
+    field(&mut status, 2, message.as_bytes());
+    field(&mut status, 3, &any);
+    status
+}
+
+/// A length-delimited protobuf field.
+fn field(out: &mut Vec<u8>, number: u8, bytes: &[u8]) {
+    out.push((number << 3) | 2);
+    varint(out, bytes.len() as u64);
+    out.extend_from_slice(bytes);
+}
+
+fn varint(out: &mut Vec<u8>, mut n: u64) {
+    while n >= 0x80 {
+        out.push((n as u8) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
+}
+
+/// Standard base64 without padding, as gRPC sends `-bin` metadata.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, &b)| n | (u32::from(b) << (16 - 8 * i)));
+        for i in 0..=chunk.len() {
+            out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_without_padding() {
+        assert_eq!(base64(b"hello"), "aGVsbG8");
+        assert_eq!(base64(b"hi"), "aGk");
+        assert_eq!(base64(b"abc"), "YWJj");
+        assert_eq!(base64(b""), "");
+    }
+
+    #[test]
+    fn status_details_are_protobuf() {
+        let d = status_details(9, "m", "R");
+        // code 9, message "m", one detail: Any{type_url, ErrorInfo{reason "R", domain}}.
+        assert_eq!(&d[..5], &[0x08, 9, 0x12, 1, b'm']);
+        assert_eq!(d[5], 0x1a);
+        let any = &d[7..];
+        assert_eq!(usize::from(d[6]), any.len());
+        assert!(any.windows(3).any(|w| w == [0x0a, 1, b'R']), "reason R");
+        assert!(
+            any.windows(b"google.rpc.ErrorInfo".len())
+                .any(|w| w == b"google.rpc.ErrorInfo")
+        );
+    }
+
+    #[test]
+    fn messages_are_percent_encoded() {
+        assert_eq!(percent_encode("a b%ü"), "a b%25%C3%BC");
+    }
+}
