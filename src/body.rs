@@ -114,8 +114,17 @@ where
 
     fn size_hint(&self) -> SizeHint {
         match &self.inner {
-            Inner::Buffered { data, .. } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            Inner::Buffered { data, trailers } => {
+                let len = data.as_ref().map_or(0, |d| d.len() as u64);
+                if trailers.is_some() {
+                    // Not exact, so HTTP/1.1 sends it chunked: trailers
+                    // cannot follow a `Content-Length` body.
+                    let mut hint = SizeHint::new();
+                    hint.set_lower(len);
+                    hint
+                } else {
+                    SizeHint::with_exact(len)
+                }
             }
             Inner::Streaming { body } => body.size_hint(),
             Inner::Prefixed { data, body } => {

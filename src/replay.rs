@@ -14,7 +14,7 @@
 //! problem body (`#response-too-large`) that says so, never a second run.
 
 use bytes::{BufMut, Bytes, BytesMut};
-use http::header::{CONTENT_ENCODING, CONTENT_LANGUAGE, CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::{CONTENT_ENCODING, CONTENT_LANGUAGE, CONTENT_LENGTH, CONTENT_TYPE, TRAILER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
 use crate::problem::{Problem, ProblemKind};
@@ -123,6 +123,13 @@ impl StoredResponse {
             res.headers_mut().append(name, value.clone());
         }
         if !trailers.is_empty() {
+            // HTTP/1.1 sends only the trailers the `Trailer` header names.
+            if !res.headers().contains_key(TRAILER) {
+                let names: Vec<&str> = trailers.keys().map(HeaderName::as_str).collect();
+                if let Ok(v) = HeaderValue::from_str(&names.join(", ")) {
+                    res.headers_mut().insert(TRAILER, v);
+                }
+            }
             res.extensions_mut().insert(Trailers(trailers));
         }
         if replayed_header {
