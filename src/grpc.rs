@@ -14,6 +14,10 @@
 //! | still in flight, store unavailable or busy, a conflict, a commit of unknown outcome, a key being reconciled, a lease lost | `UNAVAILABLE` (14) | `grpc-retry-pushback-ms` from the refusal's `Retry-After` |
 //! | the handler misused the transaction or lease mode, an unreadable answer | `INTERNAL` (13) | |
 //!
+//! A gRPC caller's `grpc-timeout` also bounds how long its request waits
+//! for an in-flight duplicate (within the layer's own bound, see
+//! `IdempotencyLayer::with_in_flight_wait`).
+//!
 //! `grpc-message` names the problem's `type` fragment and title; the
 //! `ErrorInfo` travels in `grpc-status-details-bin` (a `google.rpc.Status`,
 //! domain `tower-idempotency`).
@@ -30,6 +34,28 @@ pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// The caller's deadline from `grpc-timeout` (1 to 8 digits and a unit:
+/// `H`, `M`, `S`, `m`, `u`, `n`). A request waits for an in-flight
+/// duplicate no longer than this, nor than the layer's own bound.
+pub(crate) fn timeout(headers: &HeaderMap) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let v = headers.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
 }
 
 /// The gRPC status code of a refusal.
@@ -188,6 +214,23 @@ mod tests {
             any.windows(b"google.rpc.ErrorInfo".len())
                 .any(|w| w == b"google.rpc.ErrorInfo")
         );
+    }
+
+    #[test]
+    fn grpc_timeouts_parse() {
+        use std::time::Duration;
+        let t = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert("grpc-timeout", HeaderValue::from_static(v));
+            timeout(&h)
+        };
+        assert_eq!(t("100m"), Some(Duration::from_millis(100)));
+        assert_eq!(t("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(t("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(t("5u"), Some(Duration::from_micros(5)));
+        for bad in ["", "m", "100", "123456789m", "10x", "-1S", "1.5S"] {
+            assert_eq!(t(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

@@ -280,15 +280,18 @@ impl<DB: Backend> Run<DB> {
             },
             fingerprint,
         };
+        // A gRPC caller's own deadline bounds the wait too.
+        let in_flight_wait = crate::grpc::timeout(&parts.headers)
+            .map_or(cfg.in_flight_wait, |t| t.min(cfg.in_flight_wait));
         if let Some(mode) = lease_mode {
-            let deadline = Instant::now() + cfg.in_flight_wait;
+            let deadline = Instant::now() + in_flight_wait;
             return self.leased(mode, inner, &id, parts, body, deadline).await;
         }
         let claiming = Instant::now();
         // One bound on everything a request spends waiting for another
         // request with its key: the local wait, lock waits, backoff and
         // acquiring connections.
-        let deadline = claiming + cfg.in_flight_wait.min(cfg.claim_deadline);
+        let deadline = claiming + in_flight_wait.min(cfg.claim_deadline);
         // A duplicate of a request running in this process waits here, off
         // the pool; the leader's token lives until the answer is settled.
         let local_wait = deadline.saturating_duration_since(Instant::now());

@@ -1797,3 +1797,38 @@ fn base64_decode(s: &str) -> Vec<u8> {
     }
     out
 }
+
+/// Case: a gRPC caller's `grpc-timeout` bounds its wait for an in-flight
+/// duplicate below the layer's own bound: `UNAVAILABLE` with a pushback,
+/// well before the layer's 5 s.
+pub async fn a_grpc_timeout_bounds_the_wait_for_an_in_flight_duplicate<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let layer = h
+        .layer()
+        .with_in_flight_wait(Duration::from_secs(5))
+        .unwrap();
+    let app = h.app_with(layer);
+    let stuck = DB::hold_claim(&h.pool, "user-42", "POST /orders", "checkout-20260914-001").await;
+    let req = http::Request::post("/orders")
+        .header("content-type", "application/grpc")
+        .header("authorization", "Bearer user-42")
+        .header("idempotency-key", KEY.unwrap_or_default())
+        .header("grpc-timeout", "200m")
+        .body(axum::body::Body::from(b"\0\0\0\0\x01x".to_vec()))
+        .unwrap();
+    let started = Instant::now();
+    let answer = send(&app, req).await;
+    let elapsed = started.elapsed();
+    assert_eq!(answer.headers["grpc-status"], "14", "{answer:?}");
+    assert!(answer.headers.contains_key("grpc-retry-pushback-ms"));
+    // SQLite's claim blocks for the harness's busy_timeout (1 s) at most.
+    let bound = if DB::LABEL == "sqlite" {
+        Duration::from_millis(2500)
+    } else {
+        Duration::from_millis(1400)
+    };
+    assert!(elapsed < bound, "bounded by grpc-timeout: {elapsed:?}");
+    assert_eq!(h.executions(), 0);
+    stuck.rollback().await.unwrap();
+}
