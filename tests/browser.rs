@@ -214,6 +214,20 @@ impl Browser {
             .to_string()
     }
 
+    /// Waits (10 s at most) until the page's URL ends with `suffix`: a
+    /// form's submission navigates after the click returns.
+    async fn wait_for_url(&self, suffix: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let url = self.url().await;
+            if url.ends_with(suffix) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{url} never ended with {suffix}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     async fn source(&self) -> String {
         self.call(Method::GET, "source", Value::Null)
             .await
@@ -517,11 +531,7 @@ async fn an_operator_settles_a_parked_payment_in_the_browser_and_the_retry_repla
     browser.go(&format!("http://{service}/admin/login")).await;
     browser.type_into("#token", TOKEN).await;
     browser.click("#login").await;
-    assert!(
-        browser.url().await.ends_with("/admin"),
-        "{}",
-        browser.url().await
-    );
+    browser.wait_for_url("/admin").await;
     let list = browser.source().await;
     assert!(list.contains("NEEDS_RECONCILIATION"), "{list}");
     assert!(list.contains("charge"), "the pending step: {list}");
