@@ -30,10 +30,13 @@ use crate::outcome::IdempotencyOutcome;
 use crate::problem::ProblemKind;
 
 /// Whether `headers` are a gRPC message's.
+/// (`application/grpc`, `application/grpc+proto`, …; not grpc-web, whose
+/// trailers travel inside the body).
 pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+        .and_then(|v| v.as_bytes().strip_prefix(b"application/grpc"))
+        .is_some_and(|rest| matches!(rest.first(), None | Some(b'+' | b';')))
 }
 
 /// The caller's deadline from `grpc-timeout` (1 to 8 digits and a unit:
@@ -214,6 +217,21 @@ mod tests {
             any.windows(b"google.rpc.ErrorInfo".len())
                 .any(|w| w == b"google.rpc.ErrorInfo")
         );
+    }
+
+    #[test]
+    fn grpc_web_is_not_grpc() {
+        let is = |ct: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static(ct));
+            is_grpc(&h)
+        };
+        assert!(is("application/grpc"));
+        assert!(is("application/grpc+proto"));
+        assert!(is("application/grpc;charset=utf-8"));
+        assert!(!is("application/grpc-web"));
+        assert!(!is("application/grpc-web-text+proto"));
+        assert!(!is("application/json"));
     }
 
     #[test]

@@ -41,6 +41,16 @@ impl StoredResponse {
         trailers: Option<&Trailers>,
     ) -> Self {
         let mut encoded = encode_headers(headers, allow);
+        // A trailers-only gRPC answer carries its status in the headers:
+        // kept whatever the allow-list, or its replay would have none.
+        if crate::grpc::is_grpc(headers) {
+            let status: Vec<HeaderName> = GRPC_STATUS_HEADERS
+                .iter()
+                .map(|n| HeaderName::from_static(n))
+                .filter(|n| !allow.contains(n))
+                .collect();
+            encoded.extend_from_slice(&encode_headers(headers, &status));
+        }
         if let Some(Trailers(trailers)) = trailers.filter(|t| !t.0.is_empty()) {
             encoded.extend_from_slice(TRAILERS.as_bytes());
             encoded.push(b'\n');
@@ -60,7 +70,8 @@ impl StoredResponse {
 
     /// Captures an answer whose body was over the recording `limit`: its
     /// status and allow-listed headers, and a mark that its body was not
-    /// kept (a line no header can be, so earlier versions skip it).
+    /// kept (a line no header can be; earlier versions skip it and replay
+    /// the status with an empty body, so finish a rolling upgrade first).
     pub(crate) fn capture_not_kept(
         status: StatusCode,
         headers: &HeaderMap,
@@ -149,9 +160,13 @@ impl StoredResponse {
 pub(crate) struct Trailers(pub(crate) HeaderMap);
 
 /// The line after the recorded headers that starts the recorded trailers
-/// (one `name:value` line each). No header can be named so, so earlier
-/// versions skip the line itself.
+/// (one `name:value` line each). No header can be named so. Earlier
+/// versions skip this line but replay the trailers after it as headers:
+/// finish a rolling upgrade before relying on replayed trailers.
 const TRAILERS: &str = ":trailers:";
+
+/// The headers that carry a trailers-only gRPC answer's status.
+const GRPC_STATUS_HEADERS: [&str; 3] = ["grpc-status", "grpc-message", "grpc-status-details-bin"];
 
 /// The line that marks an answer whose body was not kept, followed by the
 /// recording limit.

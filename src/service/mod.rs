@@ -280,9 +280,11 @@ impl<DB: Backend> Run<DB> {
             },
             fingerprint,
         };
-        // A gRPC caller's own deadline bounds the wait too.
-        let in_flight_wait = crate::grpc::timeout(&parts.headers)
-            .map_or(cfg.in_flight_wait, |t| t.min(cfg.in_flight_wait));
+        // A gRPC caller's own deadline bounds the wait too, never below
+        // what a claim needs to get a connection and read.
+        let in_flight_wait = crate::grpc::timeout(&parts.headers).map_or(cfg.in_flight_wait, |t| {
+            t.max(claim::MIN_READ_WAIT).min(cfg.in_flight_wait)
+        });
         if let Some(mode) = lease_mode {
             let deadline = Instant::now() + in_flight_wait;
             return self.leased(mode, inner, &id, parts, body, deadline).await;
@@ -474,8 +476,10 @@ where
                     }
                     Err(frame) => frame,
                 };
+                // Trailers end the body: nothing after them is read.
                 if let Ok(trailers) = frame.into_trailers() {
                     parts.extensions.insert(Trailers(trailers));
+                    return Ok(ReadAnswer::Whole(parts, read.freeze()));
                 }
             }
             Some(Err(_)) => {

@@ -1710,6 +1710,16 @@ pub async fn grpc_answers_are_sorted_by_their_grpc_status<DB: ConformanceDb>(h: 
     assert!(replay.replayed());
     assert_eq!(replay.trailers, failed.trailers);
 
+    // The same, trailers-only (the status in the headers): replayed with it.
+    let body = r#"{"amount":12000,"items":[],"mode":"grpconly_9"}"#;
+    let only = send(&app, order(ALICE, Some("grpc-only-9"), body)).await;
+    assert_eq!(only.headers["grpc-status"], "9", "{only:?}");
+    assert_eq!(h.ledger_with("FAILED_FINAL").await, 2);
+    let replayed = send(&app, order(ALICE, Some("grpc-only-9"), body)).await;
+    assert!(replayed.replayed());
+    assert_eq!(replayed.headers["grpc-status"], "9", "{replayed:?}");
+    assert_eq!(replayed.headers["grpc-message"], "stock%20short");
+
     // INVALID_ARGUMENT and UNAVAILABLE: nothing kept; the key runs again.
     for (code, key) in [(3, "grpc-3"), (14, "grpc-14")] {
         let first = call(code, key).await;
@@ -1719,8 +1729,8 @@ pub async fn grpc_answers_are_sorted_by_their_grpc_status<DB: ConformanceDb>(h: 
         assert!(!second.replayed(), "{code}: the key stays usable");
     }
     assert_eq!(h.orders().await, 1);
-    assert_eq!(h.ledger().await, 2);
-    assert_eq!(h.executions(), 1 + 1 + 2 * 2, "replays ran nothing");
+    assert_eq!(h.ledger().await, 3);
+    assert_eq!(h.executions(), 1 + 1 + 1 + 2 * 2, "replays ran nothing");
 }
 
 /// Case: a gRPC request gets the layer's refusals as trailers-only gRPC

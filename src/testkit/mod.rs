@@ -276,6 +276,20 @@ async fn create_order<DB: ConformanceDb>(
             )
                 .into_response();
         }
+        // A trailers-only gRPC answer: the status in the headers, no
+        // message (`grpconly_<code>`), as a gRPC server sends an error.
+        mode if mode.starts_with("grpconly_") => {
+            let code = mode.trim_start_matches("grpconly_").to_string();
+            return (
+                StatusCode::OK,
+                [
+                    ("content-type", "application/grpc".to_string()),
+                    ("grpc-status", code),
+                    ("grpc-message", "stock%20short".to_string()),
+                ],
+            )
+                .into_response();
+        }
         // A gRPC answer: HTTP 200, a message, `grpc-status` in the
         // trailers (`grpc_<code>`).
         mode if mode.starts_with("grpc_") => {
