@@ -602,14 +602,21 @@ const LOST_COMMIT_POLL: Duration = Duration::from_millis(20);
 /// What became of the transaction `xid` whose `COMMIT` lost its
 /// connection. Asked again while it is in progress, within
 /// [`LOST_COMMIT_WAIT`]: a backend that lost its client (or terminated
-/// itself) is briefly "in progress" while it ends the transaction.
+/// itself) is briefly "in progress" while it ends the transaction. A later
+/// question that gets no answer (its share of the wait ran out) leaves the
+/// last answer standing: "in progress" is never turned into "unknown".
 async fn lost_commit_status(pool: &Pool<Postgres>, xid: i64) -> XactStatus {
     let deadline = Instant::now() + LOST_COMMIT_WAIT;
+    let mut last = XactStatus::Unknown;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let status = xact_status(pool, xid, left).await;
-        if status != XactStatus::InProgress || Instant::now() + LOST_COMMIT_POLL >= deadline {
-            return status;
+        match xact_status(pool, xid, left).await {
+            XactStatus::InProgress => last = XactStatus::InProgress,
+            XactStatus::Unknown => return last,
+            settled => return settled,
+        }
+        if Instant::now() + LOST_COMMIT_POLL >= deadline {
+            return last;
         }
         tokio::time::sleep(LOST_COMMIT_POLL).await;
     }
