@@ -79,7 +79,7 @@ impl Classification {
         if let Some(class) = parts.extensions.get::<Self>() {
             return *class;
         }
-        if !crate::grpc::is_grpc(&parts.headers) {
+        if !is_grpc(&parts.headers) {
             return Self::from_status(parts.status);
         }
         let code = trailers
@@ -92,6 +92,15 @@ impl Classification {
             None => Self::Success,
         }
     }
+}
+
+/// Whether `headers` are a gRPC message's (`application/grpc`, `application/grpc+proto`, …; not grpc-web, whose
+/// trailers travel inside the body).
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.as_bytes().strip_prefix(b"application/grpc"))
+        .is_some_and(|rest| matches!(rest.first(), None | Some(b'+' | b';')))
 }
 
 /// The id of the resource a request created, recorded in the ledger's

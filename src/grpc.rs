@@ -26,18 +26,10 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, header};
 
 use crate::body::IdempotencyBody;
+#[cfg(test)]
+use crate::classify::is_grpc;
 use crate::outcome::IdempotencyOutcome;
 use crate::problem::ProblemKind;
-
-/// Whether `headers` are a gRPC message's.
-/// (`application/grpc`, `application/grpc+proto`, …; not grpc-web, whose
-/// trailers travel inside the body).
-pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.as_bytes().strip_prefix(b"application/grpc"))
-        .is_some_and(|rest| matches!(rest.first(), None | Some(b'+' | b';')))
-}
 
 /// The caller's deadline from `grpc-timeout` (1 to 8 digits and a unit:
 /// `H`, `M`, `S`, `m`, `u`, `n`). A request waits for an in-flight

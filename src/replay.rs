@@ -43,7 +43,7 @@ impl StoredResponse {
         let mut encoded = encode_headers(headers, allow);
         // A trailers-only gRPC answer carries its status in the headers:
         // kept whatever the allow-list, or its replay would have none.
-        if crate::grpc::is_grpc(headers) {
+        if crate::classify::is_grpc(headers) {
             let status: Vec<HeaderName> = GRPC_STATUS_HEADERS
                 .iter()
                 .map(|n| HeaderName::from_static(n))

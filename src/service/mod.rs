@@ -138,7 +138,7 @@ where
             pool: self.pool.clone(),
             config: Arc::clone(&self.config),
         };
-        let grpc = crate::grpc::is_grpc(req.headers());
+        let grpc = crate::classify::is_grpc(req.headers());
         let guarded = async move {
             let res = run.guarded(inner, req).await;
             let res = match res {
