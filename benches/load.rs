@@ -880,25 +880,9 @@ fn designs(loopback: &[Point]) {
             "advisory lock and a read, then the finished row inserted with the `COMMIT` (the shape ledger v8 builds, here as literal simple queries; v8 sends the read and the row as prepared statements of their own)",
         ),
     ];
-    let mut ratios: Vec<Vec<String>> = vec![Vec::new(); what.len()];
-    for conc in CONCURRENCY {
-        let out = std::process::Command::new(script)
-            .args([conc.to_string(), "4".into(), "2".into()])
-            .output();
-        let Some(out) = out.ok().filter(|o| o.status.success()) else {
-            println!("\n(design comparison skipped: {script} needs pgbench)");
-            return;
-        };
-        let text = String::from_utf8_lossy(&out.stdout);
-        for (i, (name, _)) in what.iter().enumerate() {
-            let ratio = text
-                .lines()
-                .find(|l| l.split_whitespace().next() == Some(name))
-                .and_then(|l| l.rsplit(' ').next())
-                .unwrap_or("-");
-            ratios[i].push(ratio.to_string());
-        }
-    }
+    let Some(ratios) = pgbench_ratios(script, "simple", &what) else {
+        return;
+    };
     println!();
     println!(
         "Ledger designs at the SQL level (pgbench, simple protocol, tps / bare tps in the same run) and end to end (this run, first execution / baseline):"
@@ -923,6 +907,75 @@ fn designs(loopback: &[Point]) {
             e2e.join(" | ")
         );
     }
+    floor(script, loopback);
+}
+
+/// The floor with bound parameters (`benches/sql/floor_*.sql`, pgbench
+/// `-M prepared`: statements prepared once, variables bound, one round trip
+/// per statement, as sqlx sends them): the bare transaction plus one ledger
+/// statement (not claim-first), and plus two (the least a claim-first design
+/// sends with sqlx: the claim's statement, whose answer must come back before
+/// the handler runs, and the answer's row before the `COMMIT`).
+fn floor(script: &str, loopback: &[Point]) {
+    let what = [
+        ("bare", "the business transaction alone"),
+        (
+            "floor_one",
+            "bare + one prepared finished-row insert before the `COMMIT` (nothing held or read before the handler)",
+        ),
+        (
+            "floor_two",
+            "bare + two prepared statements: the claim (`INSERT PROCESSING ... ON CONFLICT DO NOTHING RETURNING`) and the answer (`UPDATE`); no lock, wait bound or savepoint",
+        ),
+    ];
+    let Some(ratios) = pgbench_ratios(script, "prepared", &what) else {
+        return;
+    };
+    println!();
+    println!(
+        "The floor with bound parameters (pgbench, prepared statements, tps / bare tps in the same run), and ledger v8 end to end (this run, first execution / baseline):"
+    );
+    println!();
+    println!("| shape | what PostgreSQL receives | 1 | 8 | 64 |");
+    println!("|---|---|---|---|---|");
+    for (i, (name, text)) in what.iter().enumerate() {
+        println!("| {name} (SQL) | {text} | {} |", ratios[i].join(" | "));
+    }
+    let v8: Vec<String> = loopback
+        .iter()
+        .map(|p| format!("{:.2}", p.first / p.base))
+        .collect();
+    println!(
+        "| v8 (end to end) | the layer: claim-first, bare + 2 round trips | {} |",
+        v8.join(" | ")
+    );
+}
+
+/// `benches/sql/run.sh` at each concurrency for the named scripts: each
+/// one's tps / bare tps, per concurrency (`None`, said, without pgbench).
+fn pgbench_ratios(script: &str, protocol: &str, what: &[(&str, &str)]) -> Option<Vec<Vec<String>>> {
+    let mut ratios: Vec<Vec<String>> = vec![Vec::new(); what.len()];
+    for conc in CONCURRENCY {
+        let out = std::process::Command::new(script)
+            .env("PROTOCOL", protocol)
+            .args([conc.to_string(), "4".into(), "2".into()])
+            .args(what.iter().map(|(name, _)| *name))
+            .output();
+        let Some(out) = out.ok().filter(|o| o.status.success()) else {
+            println!("\n(SQL-level comparison skipped: {script} needs pgbench)");
+            return None;
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        for (i, (name, _)) in what.iter().enumerate() {
+            let ratio = text
+                .lines()
+                .find(|l| l.split_whitespace().next() == Some(name))
+                .and_then(|l| l.rsplit(' ').next())
+                .unwrap_or("-");
+            ratios[i].push(ratio.to_string());
+        }
+    }
+    Some(ratios)
 }
 
 async fn at_a_distance(db: &str, pg: std::net::SocketAddr, delay: Duration, loopback: &[Point]) {

@@ -4,7 +4,9 @@
 # sends them), interleaved A-B-...-B-A so machine noise cancels, and prints
 # each design's tps / the bare transaction's tps in the same run.
 # The ledger is made by the crate's own migrations (migrations/postgres).
-# Usage: benches/sql/run.sh [clients=8] [seconds=8] [rounds=2] [designs...]
+# Usage: [PROTOCOL=simple|prepared] benches/sql/run.sh [clients=8] [seconds=8] [rounds=2] [designs...]
+# (prepared: every statement prepared once, variables bound: the floor_*
+# scripts, which have no compound statements)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 c="${1:-8}"; t="${2:-8}"; r="${3:-2}"; shift 3 2>/dev/null || shift $#
@@ -19,7 +21,7 @@ psql -h "$url" -U postgres -d $db -q -v ON_ERROR_STOP=1 -f "$here/schema.sql" >/
 declare -A sum
 for _ in $(seq 1 "$r"); do
   for d in $designs $(echo $designs | tr ' ' '\n' | tac); do
-    tps=$(pgbench -h "$url" -U postgres -n -M simple -c "$c" -j 2 -T "$t" -f "$here/$d.sql" $db 2>&1 | awk '/^tps/ {print $3; exit}')
+    tps=$(pgbench -h "$url" -U postgres -n -M "${PROTOCOL:-simple}" -c "$c" -j 2 -T "$t" -f "$here/$d.sql" $db 2>&1 | awk '/^tps/ {print $3; exit}')
     sum[$d]=$(awk -v a="${sum[$d]:-0}" -v b="${tps:-0}" 'BEGIN {print a + b}')
   done
 done
