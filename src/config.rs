@@ -15,6 +15,8 @@ use crate::store::IsolationLevel;
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
+    /// `None`: every path.
+    pub(crate) paths: Option<Vec<String>>,
     pub(crate) key_required: bool,
     pub(crate) key_mode: KeyMode,
     pub(crate) principal: PrincipalFn,
@@ -48,6 +50,7 @@ impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Config")
             .field("methods", &self.methods)
+            .field("paths", &self.paths)
             .field("key_required", &self.key_required)
             .field("key_mode", &self.key_mode)
             .field("operation", &self.operation)
@@ -71,8 +74,12 @@ impl std::fmt::Debug for Config {
 }
 
 impl Config {
-    pub(crate) fn guards(&self, method: &Method) -> bool {
+    pub(crate) fn guards(&self, method: &Method, path: &str) -> bool {
         self.methods.contains(method)
+            && self
+                .paths
+                .as_ref()
+                .is_none_or(|paths| paths.iter().any(|p| p == path))
     }
 }
 

@@ -57,6 +57,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
             pool,
             config: Config {
                 methods: vec![Method::POST, Method::PATCH],
+                paths: None,
                 key_required: true,
                 key_mode: KeyMode::Lenient,
                 principal: principal_from_extensions(),
@@ -89,6 +90,17 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     #[must_use]
     pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.config.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Guards only requests whose path is exactly one of `paths` (and whose
+    /// method is guarded); others pass through untouched. The default is
+    /// every path. For a layer that wraps a whole router, such as a tower
+    /// layer of tonic's server, where every gRPC call is a `POST`:
+    /// `.with_paths(["/orders.v1.Orders/CreateOrder"])`.
+    #[must_use]
+    pub fn with_paths<P: Into<String>>(mut self, paths: impl IntoIterator<Item = P>) -> Self {
+        self.config.paths = Some(paths.into_iter().map(Into::into).collect());
         self
     }
 

@@ -53,6 +53,20 @@ pub(crate) fn retryable_conflict(headers: &HeaderMap, body: &[u8]) -> bool {
 /// The verdict on an answer by its status alone (`409` needs its body:
 /// see [`retryable_conflict`]).
 pub(crate) fn by_status(status: StatusCode, headers: &HeaderMap) -> Verdict {
+    if status == StatusCode::OK
+        && let Some(code) = grpc_status(headers)
+    {
+        // A trailers-only gRPC answer (this crate's refusals, and any
+        // unary error tonic sends before a message): UNAVAILABLE is retried,
+        // honouring `grpc-retry-pushback-ms` (a negative value: not retried,
+        // as gRPC's own retry policy reads it); any other code is final.
+        return match (code, grpc_pushback(headers)) {
+            (GRPC_UNAVAILABLE, Some(Err(()))) => Verdict::Final,
+            (GRPC_UNAVAILABLE, Some(Ok(wait))) => Verdict::Retry(Some(wait)),
+            (GRPC_UNAVAILABLE, None) => Verdict::Retry(None),
+            _ => Verdict::Final,
+        };
+    }
     match status.as_u16() {
         // Too many requests, and the gateway or service is unavailable:
         // the request may not have run, or may have; the key makes a retry
@@ -63,6 +77,34 @@ pub(crate) fn by_status(status: StatusCode, headers: &HeaderMap) -> Verdict {
 }
 
 /// `Retry-After` as delay-seconds or an HTTP-date, from now.
+/// gRPC's `UNAVAILABLE`.
+const GRPC_UNAVAILABLE: u32 = 14;
+
+/// The `grpc-status` of a gRPC answer's headers (a trailers-only answer).
+fn grpc_status(headers: &HeaderMap) -> Option<u32> {
+    let is_grpc = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/grpc"));
+    if !is_grpc {
+        return None;
+    }
+    headers.get("grpc-status")?.to_str().ok()?.parse().ok()
+}
+
+/// `grpc-retry-pushback-ms`: `Ok(wait)`, or `Err(())` for a negative value
+/// (the server asks not to retry).
+fn grpc_pushback(headers: &HeaderMap) -> Option<Result<Duration, ()>> {
+    let ms: i64 = headers
+        .get("grpc-retry-pushback-ms")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(u64::try_from(ms).map(Duration::from_millis).map_err(drop))
+}
+
 pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let value = headers.get(header::RETRY_AFTER)?.to_str().ok()?.trim();
     if let Ok(secs) = value.parse::<u64>() {
@@ -152,6 +194,45 @@ mod tests {
             Some(Duration::ZERO)
         );
         assert_eq!(retry_after(&headers(&[("retry-after", "soon")])), None);
+    }
+
+    #[test]
+    fn grpc_unavailable_is_retried_with_its_pushback() {
+        let grpc = |pairs: &[(&'static str, &str)]| {
+            let mut h = headers(&[("content-type", "application/grpc")]);
+            h.extend(headers(pairs));
+            h
+        };
+        let ok = StatusCode::OK;
+        assert_eq!(
+            by_status(ok, &grpc(&[("grpc-status", "14")])),
+            Verdict::Retry(None)
+        );
+        assert_eq!(
+            by_status(
+                ok,
+                &grpc(&[("grpc-status", "14"), ("grpc-retry-pushback-ms", "250")])
+            ),
+            Verdict::Retry(Some(Duration::from_millis(250)))
+        );
+        assert_eq!(
+            by_status(
+                ok,
+                &grpc(&[("grpc-status", "14"), ("grpc-retry-pushback-ms", "-1")])
+            ),
+            Verdict::Final
+        );
+        for code in ["0", "3", "9", "13", "4"] {
+            assert_eq!(
+                by_status(ok, &grpc(&[("grpc-status", code)])),
+                Verdict::Final
+            );
+        }
+        // Not gRPC: a 200 is final whatever its headers say.
+        assert_eq!(
+            by_status(ok, &headers(&[("grpc-status", "14")])),
+            Verdict::Final
+        );
     }
 
     #[test]

@@ -121,7 +121,7 @@ where
     }
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
-        if !self.config.guards(req.method()) {
+        if !self.config.guards(req.method(), req.uri().path()) {
             let fut = self.inner.call(req.map(IdempotencyBody::streaming));
             return ResponseFuture {
                 inner: Box::pin(async move {
@@ -280,10 +280,15 @@ impl<DB: Backend> Run<DB> {
             },
             fingerprint,
         };
-        // A gRPC caller's own deadline bounds the wait too, never below
-        // what a claim needs to get a connection and read.
+        // A gRPC caller's own deadline bounds the wait too: three quarters
+        // of it, so the refusal (with its pushback) reaches the caller
+        // before its deadline does (tonic's server ends the call itself at
+        // the deadline, with a `CANCELLED` that says nothing of the key),
+        // and never below what a claim needs to get a connection and read.
         let in_flight_wait = crate::grpc::timeout(&parts.headers).map_or(cfg.in_flight_wait, |t| {
-            t.max(claim::MIN_READ_WAIT).min(cfg.in_flight_wait)
+            (t - t / 4)
+                .max(claim::MIN_READ_WAIT)
+                .min(cfg.in_flight_wait)
         });
         if let Some(mode) = lease_mode {
             let deadline = Instant::now() + in_flight_wait;
