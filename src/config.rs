@@ -19,6 +19,9 @@ pub(crate) struct Config {
     pub(crate) paths: Option<Vec<String>>,
     pub(crate) key_required: bool,
     pub(crate) key_mode: KeyMode,
+    /// Where the key is read from the buffered body when the request has
+    /// no `Idempotency-Key` header.
+    pub(crate) key_from_body: Option<KeyFromBodyFn>,
     pub(crate) principal: PrincipalFn,
     pub(crate) operation: Option<Arc<str>>,
     pub(crate) normalizer: Normalizer,
@@ -44,6 +47,9 @@ pub(crate) struct Config {
     pub(crate) lease: Option<LeaseMode>,
 }
 
+pub(crate) type KeyFromBodyFn =
+    Arc<dyn Fn(&http::request::Parts, &bytes::Bytes) -> Option<String> + Send + Sync>;
+
 pub(crate) type ResourceLinkFn = Arc<dyn Fn(&str) -> String + Send + Sync>;
 
 impl std::fmt::Debug for Config {
@@ -53,6 +59,7 @@ impl std::fmt::Debug for Config {
             .field("paths", &self.paths)
             .field("key_required", &self.key_required)
             .field("key_mode", &self.key_mode)
+            .field("key_from_body", &self.key_from_body.is_some())
             .field("operation", &self.operation)
             .field("normalizer", &self.normalizer)
             .field("max_request_body", &self.max_request_body)

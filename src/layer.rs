@@ -58,6 +58,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
             config: Config {
                 methods: vec![Method::POST, Method::PATCH],
                 paths: None,
+                key_from_body: None,
                 key_required: true,
                 key_mode: KeyMode::Lenient,
                 principal: principal_from_extensions(),
@@ -101,6 +102,27 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     #[must_use]
     pub fn with_paths<P: Into<String>>(mut self, paths: impl IntoIterator<Item = P>) -> Self {
         self.config.paths = Some(paths.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Reads the key from the request body when the request has no
+    /// `Idempotency-Key` header (or gRPC `idempotency-key` metadata): for
+    /// APIs that carry it in a field of the message, such as Google's
+    /// AIP-155 `request_id` ([`protobuf::request_field`](crate::protobuf::request_field),
+    /// feature `grpc`). `f` sees the request head and the whole buffered
+    /// body (bounded by [`with_max_request_body`](Self::with_max_request_body));
+    /// `None` means no key. The key then follows the same rules as the
+    /// header's (1 to 255 printable ASCII bytes: anything else is refused as
+    /// malformed), and a request with both a header and a field must carry
+    /// the same key in each, or it is refused as malformed: one request,
+    /// one key. The body is read before the key is known, so a request
+    /// without either is refused only after its body is read.
+    #[must_use]
+    pub fn with_key_from_body<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&Parts, &bytes::Bytes) -> Option<String> + Send + Sync + 'static,
+    {
+        self.config.key_from_body = Some(Arc::new(f));
         self
     }
 

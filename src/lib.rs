@@ -259,6 +259,8 @@ mod observe;
 mod outcome;
 mod path;
 pub mod problem;
+#[cfg(feature = "grpc")]
+pub mod protobuf;
 mod random;
 mod reconcile;
 mod replay;

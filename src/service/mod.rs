@@ -181,6 +181,41 @@ fn refusal(problem: Problem, attempts: u32) -> (Response<Bytes>, IdempotencyOutc
     (problem.into_response(), outcome)
 }
 
+fn missing_key(parts: &http::request::Parts) -> Problem {
+    let detail = format!(
+        "{} requests to this resource need an Idempotency-Key header: a new unique key per operation, reused only to retry it",
+        parts.method
+    );
+    Problem::new(ProblemKind::MissingKey, detail)
+}
+
+/// The request's key: its header's, or the one the body carries (see
+/// `IdempotencyLayer::with_key_from_body`), which must agree when both are
+/// there.
+fn key_of(
+    cfg: &Config,
+    parts: &http::request::Parts,
+    body: &Bytes,
+    header: Option<IdempotencyKey>,
+) -> Result<Option<IdempotencyKey>, Problem> {
+    let Some(from_body) = cfg.key_from_body.as_ref().and_then(|f| f(parts, body)) else {
+        return Ok(header);
+    };
+    let from_body = IdempotencyKey::new(from_body).map_err(|e| {
+        Problem::new(
+            ProblemKind::MalformedKey,
+            format!("the request's key field: {e}"),
+        )
+    })?;
+    match header {
+        Some(header) if header.as_str() != from_body.as_str() => Err(Problem::new(
+            ProblemKind::MalformedKey,
+            "the Idempotency-Key header and the request's key field disagree: one request, one key",
+        )),
+        _ => Ok(Some(from_body)),
+    }
+}
+
 fn refuse<B>(problem: Problem, attempts: u32) -> Response<IdempotencyBody<B>> {
     let (res, outcome) = refusal(problem, attempts);
     buffered(res, outcome)
@@ -216,21 +251,8 @@ impl<DB: Backend> Run<DB> {
     {
         let cfg = &self.config;
         let (parts, body) = req.into_parts();
-        let key = match IdempotencyKey::from_headers(&parts.headers, cfg.key_mode) {
-            Ok(Some(key)) => key,
-            Ok(None) if cfg.key_required => {
-                let detail = format!(
-                    "{} requests to this resource need an Idempotency-Key header: a new unique key per operation, reused only to retry it",
-                    parts.method
-                );
-                return Ok(refuse(Problem::new(ProblemKind::MissingKey, detail), 0));
-            }
-            Ok(None) => {
-                let mut inner = inner;
-                let req = Request::from_parts(parts, IdempotencyBody::streaming(body));
-                let res = inner.call(req).await?;
-                return Ok(streamed(res, IdempotencyOutcome::Unguarded));
-            }
+        let header_key = match IdempotencyKey::from_headers(&parts.headers, cfg.key_mode) {
+            Ok(key) => key,
             Err(e) => {
                 return Ok(refuse(
                     Problem::new(ProblemKind::MalformedKey, e.to_string()),
@@ -238,6 +260,15 @@ impl<DB: Backend> Run<DB> {
                 ));
             }
         };
+        if header_key.is_none() && cfg.key_from_body.is_none() {
+            if cfg.key_required {
+                return Ok(refuse(missing_key(&parts), 0));
+            }
+            let mut inner = inner;
+            let req = Request::from_parts(parts, IdempotencyBody::streaming(body));
+            let res = inner.call(req).await?;
+            return Ok(streamed(res, IdempotencyOutcome::Unguarded));
+        }
         let Some(principal) = (cfg.principal)(&parts) else {
             let detail =
                 "the request carries no authenticated principal to scope its Idempotency-Key";
@@ -248,6 +279,17 @@ impl<DB: Backend> Run<DB> {
         };
         let body = match read_body(&parts.headers, body, cfg.max_request_body).await {
             Ok(body) => body,
+            Err(problem) => return Ok(refuse(problem, 0)),
+        };
+        let key = match key_of(cfg, &parts, &body, header_key) {
+            Ok(Some(key)) => key,
+            Ok(None) if cfg.key_required => return Ok(refuse(missing_key(&parts), 0)),
+            Ok(None) => {
+                let mut inner = inner;
+                let req = Request::from_parts(parts, IdempotencyBody::buffered(body));
+                let res = inner.call(req).await?;
+                return Ok(streamed(res, IdempotencyOutcome::Unguarded));
+            }
             Err(problem) => return Ok(refuse(problem, 0)),
         };
         let fingerprint = match cfg.normalizer.fingerprint(&parts, &body) {
