@@ -13,6 +13,10 @@
 //! | key expired | `FAILED_PRECONDITION` (9) | `google.rpc.ErrorInfo` reason `IDEMPOTENCY_KEY_EXPIRED` |
 //! | still in flight, store unavailable or busy, a conflict, a commit of unknown outcome, a key being reconciled, a lease lost | `UNAVAILABLE` (14) | `grpc-retry-pushback-ms` from the refusal's `Retry-After` |
 //! | the handler misused the transaction or lease mode, an unreadable answer | `INTERNAL` (13) | |
+//! | a replay of an answer over the recording limit (the call happened; its message was not kept) | `ALREADY_EXISTS` (6) | `google.rpc.ErrorInfo` reason `IDEMPOTENCY_RESPONSE_NOT_KEPT`, the recorded metadata |
+//!
+//! A refusal that names a resource (an expired key's `Link`, with
+//! `IdempotencyLayer::with_resource_link`) keeps that header as metadata.
 //!
 //! A gRPC caller's `grpc-timeout` also bounds how long its request waits
 //! for an in-flight duplicate (within the layer's own bound, see
@@ -97,19 +101,9 @@ pub(crate) fn refusal<B>(res: Response<IdempotencyBody<B>>) -> Response<Idempote
     let message = format!("{}: {}", problem.slug(), problem.title());
     let mut out = Response::new(IdempotencyBody::buffered(Bytes::new()));
     let headers = out.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/grpc"),
-    );
-    headers.insert("grpc-status", HeaderValue::from(code));
-    if let Ok(v) = HeaderValue::from_str(&percent_encode(&message)) {
-        headers.insert("grpc-message", v);
-    }
-    if let Some(reason) = reason(problem) {
-        let details = status_details(code, &message, reason);
-        if let Ok(v) = HeaderValue::from_str(&base64(&details)) {
-            headers.insert("grpc-status-details-bin", v);
-        }
+    trailers_only(headers, code, &message, reason(problem));
+    if let Some(link) = res.headers().get(header::LINK) {
+        headers.insert(header::LINK, link.clone());
     }
     if let (14, Some(secs)) = (code, pushback) {
         headers.insert(
@@ -120,6 +114,31 @@ pub(crate) fn refusal<B>(res: Response<IdempotencyBody<B>>) -> Response<Idempote
     out.extensions_mut()
         .insert(IdempotencyOutcome::Refused { problem, attempts });
     out
+}
+
+/// The headers of a trailers-only gRPC answer: its content type, `code`,
+/// `message` and, where a client acts on it, a `google.rpc.ErrorInfo`
+/// with `reason`.
+pub(crate) fn trailers_only(
+    headers: &mut HeaderMap,
+    code: u32,
+    message: &str,
+    reason: Option<&str>,
+) {
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    headers.insert("grpc-status", HeaderValue::from(code));
+    if let Ok(v) = HeaderValue::from_str(&percent_encode(message)) {
+        headers.insert("grpc-message", v);
+    }
+    if let Some(reason) = reason {
+        let details = status_details(code, message, reason);
+        if let Ok(v) = HeaderValue::from_str(&base64(&details)) {
+            headers.insert("grpc-status-details-bin", v);
+        }
+    }
 }
 
 /// gRPC's `grpc-message` encoding: printable ASCII but `%` as is, every
@@ -187,6 +206,24 @@ fn base64(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_expired_refusal_keeps_its_link() {
+        let mut res: Response<IdempotencyBody<http_body_util::Empty<Bytes>>> =
+            Response::new(IdempotencyBody::buffered(Bytes::from_static(b"{}")));
+        res.headers_mut().insert(
+            header::LINK,
+            HeaderValue::from_static("</orders/7>; rel=\"related\""),
+        );
+        res.extensions_mut().insert(IdempotencyOutcome::Refused {
+            problem: ProblemKind::Expired,
+            attempts: 1,
+        });
+        let out = refusal(res);
+        assert_eq!(out.headers()["grpc-status"], "9");
+        assert_eq!(out.headers()[header::LINK], "</orders/7>; rel=\"related\"");
+        assert!(out.headers().contains_key("grpc-status-details-bin"));
+    }
 
     #[test]
     fn base64_without_padding() {

@@ -103,8 +103,28 @@ impl StoredResponse {
     /// of the body.
     pub(crate) fn to_response(&self, replayed_header: bool) -> Response<Bytes> {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
+        let (mut recorded, mut trailers) = decode_headers(&self.headers);
         let mut res = match self.not_kept() {
             None => Response::new(self.body.clone()),
+            // A gRPC answer has no problem body: a trailers-only answer,
+            // `ALREADY_EXISTS` (the operation happened; its message is
+            // gone), with the recorded metadata (a `location`, say).
+            Some(limit) if crate::classify::is_grpc(&recorded) => {
+                trailers.clear();
+                let mut res = Response::new(Bytes::new());
+                let message = format!(
+                    "the first call with this idempotency key completed; its answer was larger \
+                     than the recording limit ({limit} bytes) and was not kept. Read the \
+                     resource it created instead of retrying"
+                );
+                crate::grpc::trailers_only(
+                    res.headers_mut(),
+                    6,
+                    &message,
+                    Some("IDEMPOTENCY_RESPONSE_NOT_KEPT"),
+                );
+                res
+            }
             Some(limit) => {
                 let detail = format!(
                     "the first request with this Idempotency-Key completed with status {}; its \
@@ -118,7 +138,6 @@ impl StoredResponse {
             }
         };
         *res.status_mut() = status;
-        let (mut recorded, trailers) = decode_headers(&self.headers);
         if self.not_kept().is_some() {
             // The problem body's own representation stands.
             for name in [

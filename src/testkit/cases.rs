@@ -1649,6 +1649,38 @@ pub async fn an_answer_over_the_recording_limit_commits_once_and_never_runs_agai
     assert_eq!(h.ledger().await, 1);
 }
 
+/// Case: a gRPC answer over the recording limit commits once and reaches
+/// its client whole; a retry gets a trailers-only `ALREADY_EXISTS` (reason
+/// `IDEMPOTENCY_RESPONSE_NOT_KEPT`) with the recorded metadata, never a
+/// problem document in a gRPC body, and never a second run.
+pub async fn a_grpc_answer_over_the_recording_limit_replays_as_already_exists<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h.app();
+    let big = r#"{"amount":12000,"items":[],"mode":"big_grpc"}"#;
+    let first = send(&app, order(ALICE, KEY, big)).await;
+    assert_eq!(first.status, StatusCode::OK, "{:?}", first.headers);
+    assert_eq!(first.body.len(), 2 * 1024 * 1024, "the whole answer");
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+
+    let retry = send(&app, order(ALICE, KEY, big)).await;
+    assert_eq!(retry.status, StatusCode::OK);
+    assert!(retry.replayed());
+    assert_eq!(retry.headers["content-type"], "application/grpc");
+    assert_eq!(retry.headers["grpc-status"], "6", "{:?}", retry.headers);
+    assert_eq!(retry.headers["location"], first.headers["location"]);
+    assert!(
+        retry.headers.contains_key("grpc-status-details-bin"),
+        "{:?}",
+        retry.headers
+    );
+    assert!(retry.body.is_empty(), "trailers-only: no message");
+    assert!(retry.trailers.is_none(), "trailers-only: no trailers");
+    assert_eq!(h.executions(), 1, "never run again");
+    assert_eq!(h.orders().await, 1);
+}
+
 /// Case: an answer's trailers reach the client on the first answer, are
 /// recorded, and come back identical on a replay.
 pub async fn trailers_are_recorded_and_replayed<DB: ConformanceDb>(h: Harness<DB>) {

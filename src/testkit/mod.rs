@@ -347,6 +347,22 @@ async fn create_order<DB: ConformanceDb>(
             )
                 .into_response();
         }
+        // The same, as a gRPC answer (a long server reply).
+        "big_grpc" => {
+            let chunks = Chunks {
+                chunk: Bytes::from(vec![b'x'; 64 * 1024]),
+                left: 32,
+            };
+            return (
+                StatusCode::OK,
+                [
+                    ("location", format!("/orders/{id}")),
+                    ("content-type", "application/grpc".to_string()),
+                ],
+                axum::body::Body::from_stream(chunks),
+            )
+                .into_response();
+        }
         "mark_retryable" => {
             return (
                 StatusCode::CONFLICT,
@@ -653,6 +669,7 @@ macro_rules! conformance_suite {
             migrations_upgrade_in_place_and_run_concurrently,
             dropped_futures_leave_a_clean_connection,
             an_answer_over_the_recording_limit_commits_once_and_never_runs_again,
+            a_grpc_answer_over_the_recording_limit_replays_as_already_exists,
             trailers_are_recorded_and_replayed,
             grpc_answers_are_sorted_by_their_grpc_status,
             grpc_requests_get_trailers_only_grpc_refusals,
