@@ -27,6 +27,7 @@ use tower_idempotency::testkit::{Cleanup, ConformanceDb as TestDb};
 
 /// The service on its own database.
 struct Service<DB: TestDb> {
+    url: String,
     addr: String,
     _child: Child,
     pool: Pool<DB>,
@@ -49,6 +50,7 @@ impl<DB: TestDb> Service<DB> {
             .await
             .unwrap();
         Self {
+            url,
             addr,
             _child: child,
             pool,
@@ -456,10 +458,12 @@ async fn unguarded_methods_and_bad_metadata<DB: TestDb>() {
     assert_eq!(stock(svc.channel(), "B-1").await, 3);
 }
 
-/// A TCP proxy that loses answers: on every other connection it forwards
-/// the HTTP/2 handshake, then closes both sides when the first answer
-/// comes back (the request reached the service; its answer never reaches
-/// the caller). Other connections forward everything.
+/// A TCP proxy that loses answers: each connection forwards the server's
+/// HTTP/2 frames of its first answer, and when the head of a second answer
+/// comes (a `HEADERS` frame on a new stream, sent once the handler has
+/// finished) closes both sides instead: that request ran, its answer never
+/// reaches the caller. A caller that reconnects and retries gets one answer
+/// through on the new connection, and loses the next.
 struct LossyProxy {
     addr: String,
     lost: Arc<AtomicUsize>,
@@ -472,24 +476,26 @@ impl LossyProxy {
         let lost = Arc::new(AtomicUsize::new(0));
         let counter = Arc::clone(&lost);
         tokio::spawn(async move {
-            for n in 0usize.. {
+            loop {
                 let Ok((client, _)) = listener.accept().await else {
                     return;
                 };
                 let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                     continue;
                 };
-                tokio::spawn(relay(client, server, n % 2 == 0, Arc::clone(&counter)));
+                tokio::spawn(relay(client, server, Arc::clone(&counter)));
             }
         });
         Self { addr, lost }
     }
 }
 
+/// HTTP/2's `HEADERS` frame type.
+const HEADERS: u8 = 0x1;
+
 async fn relay(
     client: tokio::net::TcpStream,
     server: tokio::net::TcpStream,
-    lossy: bool,
     lost: Arc<AtomicUsize>,
 ) {
     let (mut cr, mut cw) = client.into_split();
@@ -497,21 +503,31 @@ async fn relay(
     let up = tokio::spawn(async move {
         let _ = tokio::io::copy(&mut cr, &mut sw).await;
     });
-    let opened = tokio::time::Instant::now();
+    let mut pending = BytesMut::new();
+    let mut answers = std::collections::HashSet::new();
     let mut buf = vec![0u8; 64 * 1024];
-    loop {
+    'relay: loop {
         let n = match sr.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        // The handshake's frames come at once; an answer comes after the
-        // handler's delay.
-        if lossy && opened.elapsed() > Duration::from_millis(100) {
-            lost.fetch_add(1, Ordering::Relaxed);
-            break;
-        }
-        if cw.write_all(&buf[..n]).await.is_err() {
-            break;
+        pending.extend_from_slice(&buf[..n]);
+        // Whole frames only: a 9-byte head (24-bit length, type, flags,
+        // stream), then the payload.
+        while pending.len() >= 9 {
+            let len = u32::from_be_bytes([0, pending[0], pending[1], pending[2]]) as usize;
+            if pending.len() < 9 + len {
+                break;
+            }
+            let stream = u32::from_be_bytes([pending[5], pending[6], pending[7], pending[8]]);
+            if pending[3] == HEADERS && answers.insert(stream) && answers.len() == 2 {
+                lost.fetch_add(1, Ordering::Relaxed);
+                break 'relay;
+            }
+            let frame = pending.split_to(9 + len);
+            if cw.write_all(&frame).await.is_err() {
+                break 'relay;
+            }
         }
     }
     up.abort();
@@ -560,4 +576,97 @@ async fn a_retrying_client_through_a_lossy_proxy_makes_each_order_once<DB: TestD
     assert_eq!(svc.orders().await, calls, "one order per logical call");
     assert_eq!(svc.ledger().await, calls);
     assert_eq!(stock(svc.channel(), "A-10").await, 1_000 - calls);
+}
+
+/// The store goes away under the running service (PostgreSQL refuses every
+/// connection to its database, and its sessions are ended): a call is
+/// answered `UNAVAILABLE` with a pushback, nothing is half-kept, and the
+/// retry with the same key, once the store is back, makes the order once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_down_is_unavailable_and_the_retry_orders_once() {
+    use sqlx::Connection;
+    let svc = Service::<sqlx::Postgres>::start(0).await;
+    set_stock(svc.channel(), "A-10", 10).await;
+    let db = svc.url.rsplit('/').next().unwrap().to_owned();
+    let admin_url = std::env::var("PG_URL").unwrap();
+    let mut admin = sqlx::PgConnection::connect(&admin_url).await.unwrap();
+    let allow = |on: bool| format!("ALTER DATABASE \"{db}\" ALLOW_CONNECTIONS {on}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(allow(false)))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1")
+        .bind(&db)
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let down = create(svc.channel(), "\"down-1\"", "alice", order("A-10", 1))
+        .await
+        .unwrap_err();
+    assert_eq!(down.code(), Code::Unavailable, "{down:?}");
+    let pushback = down.metadata().get("grpc-retry-pushback-ms");
+    assert!(pushback.is_some(), "{down:?}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(allow(true)))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let mut committed = None;
+    for _ in 0..50 {
+        match create(svc.channel(), "\"down-1\"", "alice", order("A-10", 1)).await {
+            Ok(res) => {
+                committed = Some(res.into_inner());
+                break;
+            }
+            Err(status) if status.code() == Code::Unavailable => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(status) => panic!("{status:?}"),
+        }
+    }
+    let committed = committed.expect("the store came back");
+    let again = create(svc.channel(), "\"down-1\"", "alice", order("A-10", 1))
+        .await
+        .unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.into_inner(), committed);
+    assert_eq!(svc.orders().await, 1);
+    assert_eq!(svc.ledger().await, 1);
+    assert_eq!(stock(svc.channel(), "A-10").await, 9);
+}
+
+/// The example client (`examples/grpc_order_client.rs`) through the lossy
+/// proxy: every order it reports is committed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_client_through_a_lossy_proxy_orders_once() {
+    let svc = Service::<sqlx::Sqlite>::start(200).await;
+    let proxy = LossyProxy::start(svc.addr.clone()).await;
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::process::Command::new(common::example("grpc_order_client"))
+            .args(["--addr", &proxy.addr, "--orders", "4"])
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the client ends within 120 s")
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ids: std::collections::BTreeSet<&str> = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("order "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert_eq!(ids.len(), 4, "{stdout}");
+    assert!(
+        proxy.lost.load(Ordering::Relaxed) > 0,
+        "the proxy lost answers"
+    );
+    assert!(stdout.contains("replayed true"), "{stdout}");
+    assert_eq!(svc.orders().await, 4);
+    assert_eq!(stock(svc.channel(), "A-10").await, 1_000 - 4);
 }
