@@ -221,6 +221,24 @@
 //! resumes where the last attempt stopped. A [`Completer`](lease::Completer)
 //! finishes abandoned records with no client retry. See [`lease`].
 //!
+//! # gRPC
+//!
+//! Under tonic the layer is a tower layer of the server
+//! (`Server::builder().layer(auth).layer(idempotency)`); every gRPC call is
+//! a `POST`, so [`IdempotencyLayer::with_paths`] names the methods it
+//! guards. The key is the `idempotency-key` metadata entry (or a message
+//! field, [`IdempotencyLayer::with_key_from_body`]); the principal comes
+//! from a layer before this one (a tonic interceptor runs after the claim);
+//! the handler finds [`Tx`] in the request's extensions. Answers are sorted
+//! by `grpc-status` (see [`Classification`]), recorded with their trailers
+//! and replayed with `idempotent-replayed: true`; the layer's refusals are
+//! trailers-only answers (`INVALID_ARGUMENT`, `UNAUTHENTICATED`,
+//! `FAILED_PRECONDITION` with an `ErrorInfo` reason, `UNAVAILABLE` with
+//! `grpc-retry-pushback-ms`), and a caller's `grpc-timeout` bounds its wait
+//! for an in-flight duplicate. What counts as the same request, and a key
+//! from an AIP-155 `request_id` field: the `protobuf` module (feature
+//! `grpc`). `examples/grpc_order_service.rs` and its client show the whole.
+//!
 //! # The other halves
 //!
 //! - **Message consumers**: [`consumer::Consumer`] runs an at-least-once

@@ -1,6 +1,7 @@
 //! The client half (feature `client`): [`IdempotentRetryLayer`], a tower
-//! layer for HTTP clients that keeps one `Idempotency-Key` per logical
-//! request and retries it safely.
+//! layer for HTTP clients (and tonic channels: `examples/grpc_order_client.rs`)
+//! that keeps one `Idempotency-Key` per logical request and retries it
+//! safely.
 //!
 //! For guarded methods (POST and PATCH by default) the layer attaches an
 //! `Idempotency-Key` when the request has none (a random UUID v4, or the
@@ -23,6 +24,8 @@
 //! | connection error (a `409` body that breaks while the layer reads it included), or the attempt's own timeout (the request may have landed: exactly when the key matters) | yes |
 //! | `409` whose problem `type` is `#in-flight`, `#unconfirmed` or `#lease-lost` (this crate's server layer) | yes, honouring `Retry-After` |
 //! | `429`, `502`, `503`, `504` | yes, honouring `Retry-After` (seconds, or an HTTP-date in any of its three forms) |
+//! | a trailers-only gRPC answer (`content-type: application/grpc`, `grpc-status` in its headers) with `UNAVAILABLE` (14): this crate's refusals, a server that is down | yes, honouring `grpc-retry-pushback-ms` (a negative value: no) |
+//! | a gRPC answer with any other `grpc-status` | no: final |
 //! | `422` key reused, `410` expired, any other `409` (a business conflict: told apart by the problem `type`, not the status), other 4xx, `500`, 2xx, 3xx | no: final |
 //!
 //! Waits are exponential backoff with full jitter, at least the server's
