@@ -97,6 +97,25 @@ async fn a_callers_bytea_output_never_stops_a_replay() {
     assert_eq!(count(&pool, "SELECT count(*) FROM orders").await, 1);
 }
 
+/// The operators' statements (the CLI's `show`, the console) bind their
+/// values and read results in binary too: a session's `bytea_output`
+/// cannot garble a stored answer, and the row is found by its scope.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_read_ignores_the_callers_bytea_output() {
+    use tower_idempotency::admin::{Ledger, Lookup};
+    let (url, _drop) = orders_db().await;
+    let pool = pool_with(&url, "SET bytea_output = 'escape'").await;
+    let app = app(pool.clone(), Arc::new(Notify::new()));
+    let (first, body) = send(app, "user-42", "k-1", false).await;
+    assert_eq!(first, StatusCode::CREATED);
+    let rows = Ledger::new(pool)
+        .find(&Lookup::new("user-42", "POST /orders", "\"k-1\""))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].response_body.as_deref(), Some(&body[..]));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crafted_principal_runs_no_statement_of_its_own() {
     let (url, _drop) = orders_db().await;

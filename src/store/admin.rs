@@ -11,9 +11,9 @@
 
 use std::future::Future;
 
-use sqlx::{AssertSqlSafe, Pool, Row};
+use sqlx::{Pool, Row};
 
-use super::lease::Dialect;
+use super::lease::{Args, Dialect};
 use super::{Backend, Fence, LeaseWrite, Scope, parse_status};
 use crate::admin::{AuditEntry, DiskSize, LedgerRow, LedgerStatus, StatusCount, SweepPreview};
 
@@ -106,26 +106,32 @@ impl Dialect {
         )
     }
 
-    fn audit_insert(&self, scope: &Scope<'_>, note: &AuditNote<'_>, before: &str) -> String {
+    fn audit_insert(
+        &self,
+        a: &mut Args,
+        scope: &Scope<'_>,
+        note: &AuditNote<'_>,
+        before: &str,
+    ) -> String {
         format!(
             "INSERT INTO tower_idempotency_audit (principal_id, operation, idem_key, actor, \
              reason, verdict, response_status, recorded_at, before_record) \
              VALUES ({}, {}, {}, {}, {}, '{}', {}, {}, {})",
-            (self.key)(scope.principal),
-            (self.key)(scope.operation),
-            (self.key)(scope.key),
-            (self.text)(note.actor),
-            (self.text)(note.reason),
+            (self.key)(a, scope.principal),
+            (self.key)(a, scope.operation),
+            (self.key)(a, scope.key),
+            (self.text)(a, note.actor),
+            (self.text)(a, note.reason),
             // One of three constants.
             note.verdict,
             note.response_status
                 .map_or_else(|| "NULL".to_string(), |s| s.to_string()),
             self.now,
-            (self.text)(before),
+            (self.text)(a, before),
         )
     }
 
-    fn audit_select(&self, scope: &Scope<'_>, limit: i64) -> String {
+    fn audit_select(&self, a: &mut Args, scope: &Scope<'_>, limit: i64) -> String {
         format!(
             "SELECT id, {}, {}, {}, {}, {}, verdict, response_status, recorded_at, {} \
              FROM tower_idempotency_audit WHERE principal_id = {} AND operation = {} \
@@ -136,9 +142,9 @@ impl Dialect {
             (self.read_key)("actor"),
             (self.read_key)("reason"),
             (self.read_key)("before_record"),
-            (self.key)(scope.principal),
-            (self.key)(scope.operation),
-            (self.key)(scope.key),
+            (self.key)(a, scope.principal),
+            (self.key)(a, scope.operation),
+            (self.key)(a, scope.key),
         )
     }
 
@@ -232,8 +238,8 @@ where
 /// `$bound` bounds a statement's lock wait, `$size` reads the size on
 /// disk.
 macro_rules! admin_backend {
-    ($db:ty, $dialect:expr, begin = $begin:expr, lock = $lock:expr, bound = $bound:expr,
-     size = $size:expr $(,)?) => {
+    ($db:ty, $dialect:expr, $stmt:path, begin = $begin:expr, lock = $lock:expr,
+     bound = $bound:expr, size = $size:expr $(,)?) => {
         impl sealed::Sealed for $db {}
 
         #[allow(private_interfaces)]
@@ -248,25 +254,28 @@ macro_rules! admin_backend {
                 let d: &Dialect = &$dialect;
                 let bound: fn(String) -> String = $bound;
                 let mut tx = pool.begin_with($begin).await?;
-                let read = format!("{} WHERE {}{}", d.row_select(), d.scope(scope), $lock);
-                let Some(row) = sqlx::raw_sql(AssertSqlSafe(bound(read)))
-                    .fetch_optional(&mut *tx)
-                    .await?
-                else {
+                let mut a = Vec::new();
+                let read = format!(
+                    "{} WHERE {}{}",
+                    d.row_select(),
+                    d.scope(&mut a, scope),
+                    $lock
+                );
+                let Some(row) = $stmt(bound(read), a).fetch_optional(&mut *tx).await? else {
                     tx.rollback().await?;
                     return Ok(false);
                 };
                 let before = ledger_row(&row)?.before_json().to_string();
-                let done = sqlx::raw_sql(AssertSqlSafe(bound(d.write(scope, fence, write))))
-                    .execute(&mut *tx)
-                    .await?;
+                let mut a = Vec::new();
+                let write = bound(d.write(&mut a, scope, fence, write));
+                let done = $stmt(write, a).execute(&mut *tx).await?;
                 if done.rows_affected() != 1 {
                     tx.rollback().await?;
                     return Ok(false);
                 }
-                sqlx::raw_sql(AssertSqlSafe(d.audit_insert(scope, note, &before)))
-                    .execute(&mut *tx)
-                    .await?;
+                let mut a = Vec::new();
+                let insert = d.audit_insert(&mut a, scope, note, &before);
+                $stmt(insert, a).execute(&mut *tx).await?;
                 tx.commit().await?;
                 Ok(true)
             }
@@ -276,8 +285,9 @@ macro_rules! admin_backend {
                 scope: &Scope<'_>,
             ) -> Result<Option<LedgerRow>, sqlx::Error> {
                 let d: &Dialect = &$dialect;
-                let sql = format!("{} WHERE {}", d.row_select(), d.scope(scope));
-                sqlx::raw_sql(AssertSqlSafe(sql))
+                let mut a = Vec::new();
+                let sql = format!("{} WHERE {}", d.row_select(), d.scope(&mut a, scope));
+                $stmt(sql, a)
                     .fetch_optional(pool)
                     .await?
                     .as_ref()
@@ -293,7 +303,9 @@ macro_rules! admin_backend {
                 let d: &Dialect = &$dialect;
                 // Newest first in the statement (so the limit keeps the
                 // newest rows), oldest first in the answer.
-                let mut trail = sqlx::raw_sql(AssertSqlSafe(d.audit_select(scope, limit)))
+                let mut a = Vec::new();
+                let sql = d.audit_select(&mut a, scope, limit);
+                let mut trail = $stmt(sql, a)
                     .fetch_all(pool)
                     .await?
                     .iter()
@@ -308,7 +320,7 @@ macro_rules! admin_backend {
                 stranded_ms: i64,
             ) -> Result<LedgerStatus, sqlx::Error> {
                 let d: &Dialect = &$dialect;
-                let groups = sqlx::raw_sql(AssertSqlSafe(d.status_groups()))
+                let groups = $stmt(d.status_groups(), Vec::new())
                     .fetch_all(pool)
                     .await?
                     .iter()
@@ -323,7 +335,7 @@ macro_rules! admin_backend {
                     })
                     .collect::<Result<Vec<_>, sqlx::Error>>()?;
                 let now = <$db as AdminBackend>::clock(pool).await?;
-                let leases = sqlx::raw_sql(AssertSqlSafe(d.status_leases(now)))
+                let leases = $stmt(d.status_leases(now), Vec::new())
                     .fetch_one(pool)
                     .await?;
                 let (unresolved, oldest_unresolved, _) =
@@ -354,10 +366,7 @@ macro_rules! admin_backend {
             async fn clock(pool: &Pool<Self>) -> Result<i64, sqlx::Error> {
                 let d: &Dialect = &$dialect;
                 let sql = format!("SELECT {}", d.now);
-                sqlx::raw_sql(AssertSqlSafe(sql))
-                    .fetch_one(pool)
-                    .await?
-                    .try_get(0)
+                $stmt(sql, Vec::new()).fetch_one(pool).await?.try_get(0)
             }
 
             async fn applied_migrations(
@@ -378,7 +387,7 @@ macro_rules! admin_backend {
             async fn sweep_preview(pool: &Pool<Self>) -> Result<SweepPreview, sqlx::Error> {
                 let d: &Dialect = &$dialect;
                 let now = <$db as AdminBackend>::clock(pool).await?;
-                let row = sqlx::raw_sql(AssertSqlSafe(d.sweep_counts(now)))
+                let row = $stmt(d.sweep_counts(now), Vec::new())
                     .fetch_one(pool)
                     .await?;
                 Ok(SweepPreview {
@@ -394,10 +403,11 @@ macro_rules! admin_backend {
 admin_backend!(
     sqlx::Postgres,
     super::postgres::DIALECT,
-    begin = "BEGIN",
-    lock = " FOR UPDATE",
+    super::postgres::stmt,
     // SET LOCAL ends with the verdict's transaction.
-    bound = |sql| format!("SET LOCAL lock_timeout = '5000ms'; {sql}"),
+    begin = "BEGIN; SET LOCAL lock_timeout = '5000ms'",
+    lock = " FOR UPDATE",
+    bound = |sql| sql,
     size = (
         "SELECT pg_total_relation_size(c.oid)::INT8 FROM pg_class c \
          WHERE c.oid = to_regclass('idempotency_records')",
@@ -410,6 +420,7 @@ admin_backend!(
 admin_backend!(
     sqlx::Sqlite,
     super::sqlite::DIALECT,
+    super::sqlite::stmt,
     // The write lock up front: one writer, and the row cannot change
     // between the read and the verdict.
     begin = "BEGIN IMMEDIATE",
@@ -426,6 +437,7 @@ admin_backend!(
 admin_backend!(
     sqlx::MySql,
     super::mysql::DIALECT,
+    super::mysql::stmt,
     begin = "START TRANSACTION",
     lock = " FOR UPDATE",
     // For that statement alone (MariaDB); MySQL keeps its default wait.

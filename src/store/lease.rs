@@ -1,22 +1,41 @@
 //! The ledger statements of lease mode, written once for every backend.
 //!
-//! Each backend supplies a [`Dialect`] (how a value becomes an SQL literal
-//! made of hex digits, and its database clock); the statements are built
-//! here. Every write on a leased row is **fenced**: its `WHERE` names the
+//! Each backend supplies a [`Dialect`] (how a value enters a statement:
+//! a bound parameter on PostgreSQL, an SQL literal made of hex digits
+//! elsewhere; and its database clock); the statements are built here. Every write on a leased row is **fenced**: its `WHERE` names the
 //! generation the writer holds, so a write from an owner that lost the row
 //! to a takeover matches nothing, in the same statement as the write.
 
 use super::literal::hex;
 use super::{Claim, Completion, RecordStatus, Scope};
 
-/// How a backend writes literals and reads its clock.
+/// A value a statement binds to one of its placeholders.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Arg {
+    /// A text value.
+    Text(String),
+    /// A binary value.
+    Bytes(Vec<u8>),
+}
+
+/// The values of a statement's placeholders, in their order: empty where
+/// the backend writes values as literals.
+pub(crate) type Args = Vec<Arg>;
+
+/// Binds `arg` as the next PostgreSQL placeholder (`$1`, `$2`, …).
+pub(crate) fn numbered(args: &mut Args, arg: Arg) -> String {
+    args.push(arg);
+    format!("${}", args.len())
+}
+
+/// How a backend puts values into a statement and reads its clock.
 pub(crate) struct Dialect {
     /// A value for a binary-compared text column (scope, step and point).
-    pub(crate) key: fn(&str) -> String,
+    pub(crate) key: fn(&mut Args, &str) -> String,
     /// A value for a character text column (`resource_id`).
-    pub(crate) text: fn(&str) -> String,
+    pub(crate) text: fn(&mut Args, &str) -> String,
     /// A value for a binary column.
-    pub(crate) blob: fn(&[u8]) -> String,
+    pub(crate) blob: fn(&mut Args, &[u8]) -> String,
     /// A key column read back as text.
     pub(crate) read_key: fn(&str) -> String,
     /// The database clock, epoch milliseconds.
@@ -181,29 +200,29 @@ const OWNED: &str = "status = 'PROCESSING'";
 
 impl Dialect {
     /// The three scope columns, as a condition.
-    pub(crate) fn scope(&self, scope: &Scope<'_>) -> String {
+    pub(crate) fn scope(&self, a: &mut Args, scope: &Scope<'_>) -> String {
         format!(
             "principal_id = {} AND operation = {} AND idem_key = {}",
-            (self.key)(scope.principal),
-            (self.key)(scope.operation),
-            (self.key)(scope.key),
+            (self.key)(a, scope.principal),
+            (self.key)(a, scope.operation),
+            (self.key)(a, scope.key),
         )
     }
 
     /// The scope and the claim: the row as it was claimed.
-    fn claimed(&self, scope: &Scope<'_>, claim: Option<&str>) -> String {
+    fn claimed(&self, a: &mut Args, scope: &Scope<'_>, claim: Option<&str>) -> String {
         let claim = match claim {
-            Some(id) => format!("claim_id = {}", (self.key)(id)),
+            Some(id) => format!("claim_id = {}", (self.key)(a, id)),
             None => "claim_id IS NULL".to_string(),
         };
-        format!("{} AND {claim}", self.scope(scope))
+        format!("{} AND {claim}", self.scope(a, scope))
     }
 
     /// The fence: the claim, at the writer's generation, `PROCESSING`.
-    pub(crate) fn fenced(&self, scope: &Scope<'_>, fence: Fence<'_>) -> String {
+    pub(crate) fn fenced(&self, a: &mut Args, scope: &Scope<'_>, fence: Fence<'_>) -> String {
         format!(
             "{} AND generation = {} AND {OWNED}",
-            self.claimed(scope, fence.claim),
+            self.claimed(a, scope, fence.claim),
             fence.generation
         )
     }
@@ -214,17 +233,17 @@ impl Dialect {
     /// and gives it back moves the generation, one that parks it again
     /// moves `parks`), or `PROCESSING` with its lease lapsed at the listed
     /// generation; a default-mode row `PROCESSING` or parked.
-    fn verdict(&self, scope: &Scope<'_>, fence: Fence<'_>, parks: i64) -> String {
+    fn verdict(&self, a: &mut Args, scope: &Scope<'_>, fence: Fence<'_>, parks: i64) -> String {
         if fence.generation == 0 {
             return format!(
                 "{} AND generation = 0 AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
-                self.scope(scope)
+                self.scope(a, scope)
             );
         }
         format!(
             "{} AND generation > 0 AND ((status = 'NEEDS_RECONCILIATION' AND parks = {parks}) OR \
              (status = 'PROCESSING' AND generation = {} AND locked_until <= {now} AND {}))",
-            self.claimed(scope, fence.claim),
+            self.claimed(a, scope, fence.claim),
             fence.generation,
             self.no_call_in_flight(),
             now = self.now
@@ -245,6 +264,7 @@ impl Dialect {
     /// made of hex digits.
     pub(crate) fn claim(
         &self,
+        a: &mut Args,
         claim: &Claim<'_>,
         lease_ms: i64,
         claim_id: &str,
@@ -256,13 +276,13 @@ impl Dialect {
              recovery_data, claim_id) \
              VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}, 1, {now} + {lease_ms}, {}, {}) \
              {tail}",
-            (self.key)(claim.scope.principal),
-            (self.key)(claim.scope.operation),
-            (self.key)(claim.scope.key),
-            (self.blob)(claim.fingerprint),
+            (self.key)(a, claim.scope.principal),
+            (self.key)(a, claim.scope.operation),
+            (self.key)(a, claim.scope.key),
+            (self.blob)(a, claim.fingerprint),
             claim.retention_ms,
-            (self.blob)(claim_data(claim_id).as_bytes()),
-            (self.key)(claim_id),
+            (self.blob)(a, claim_data(claim_id).as_bytes()),
+            (self.key)(a, claim_id),
             now = self.now,
         )
     }
@@ -272,6 +292,7 @@ impl Dialect {
     /// conditional statement that names the generation seen.
     pub(crate) fn take_over(
         &self,
+        a: &mut Args,
         scope: &Scope<'_>,
         seen: Fence<'_>,
         lease_ms: i64,
@@ -287,7 +308,7 @@ impl Dialect {
              status = 'PROCESSING' \
              WHERE {} AND generation = {} AND {status} AND locked_until <= {now}",
             seen.generation.saturating_add(1),
-            self.claimed(scope, seen.claim),
+            self.claimed(a, scope, seen.claim),
             seen.generation,
             now = self.now,
         )
@@ -296,23 +317,24 @@ impl Dialect {
     /// The statement of a fenced write.
     pub(crate) fn write(
         &self,
+        a: &mut Args,
         scope: &Scope<'_>,
         fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> String {
         let (fence, default_mode) = match write {
             LeaseWrite::Rerun { parks } | LeaseWrite::Resolve { parks, .. } => {
-                (self.verdict(scope, fence, *parks), fence.generation == 0)
+                (self.verdict(a, scope, fence, *parks), fence.generation == 0)
             }
             LeaseWrite::Renew { .. } => (
                 format!(
                     "{} AND locked_until > {}",
-                    self.fenced(scope, fence),
+                    self.fenced(a, scope, fence),
                     self.now
                 ),
                 false,
             ),
-            _ => (self.fenced(scope, fence), false),
+            _ => (self.fenced(a, scope, fence), false),
         };
         // Retention counts from the answer's recording: the row keeps its
         // retention as the distance from `created_at` to `expires_at`.
@@ -330,7 +352,7 @@ impl Dialect {
             } => format!(
                 "pending_step = {}, locked_until = {now} + {lease_ms}, \
                  pending_until = {now} + {step_ms}",
-                (self.key)(step),
+                (self.key)(a, step),
                 now = self.now
             ),
             LeaseWrite::Progress {
@@ -341,8 +363,8 @@ impl Dialect {
             } => format!(
                 "recovery_point = {}, recovery_data = {}, pending_step = {}, \
                  locked_until = {} + {lease_ms}",
-                point.map_or_else(|| "recovery_point".to_string(), self.key),
-                (self.blob)(data),
+                point.map_or_else(|| "recovery_point".to_string(), |p| (self.key)(a, p)),
+                (self.blob)(a, data),
                 if *settled { "NULL" } else { "pending_step" },
                 self.now
             ),
@@ -370,9 +392,10 @@ impl Dialect {
                      pending_step = NULL, {retain}{verdict}",
                     c.status.as_str(),
                     c.response_status,
-                    (self.blob)(c.response_headers),
-                    (self.blob)(c.response_body),
-                    c.resource_id.map_or_else(|| "NULL".to_string(), self.text),
+                    (self.blob)(a, c.response_headers),
+                    (self.blob)(a, c.response_body),
+                    c.resource_id
+                        .map_or_else(|| "NULL".to_string(), |id| (self.text)(a, id)),
                 )
             }
         };
@@ -383,10 +406,10 @@ impl Dialect {
     /// longest first: lapsed leases, and parked rows whose back-off ended
     /// (`locked_until` is never NULL on either, so every store orders them
     /// alike).
-    pub(crate) fn list(&self, operations: &[&str], limit: i64) -> String {
+    pub(crate) fn list(&self, a: &mut Args, operations: &[&str], limit: i64) -> String {
         let operations = operations
             .iter()
-            .map(|op| (self.key)(op))
+            .map(|op| (self.key)(a, op))
             .collect::<Vec<_>>()
             .join(", ");
         format!(
@@ -438,10 +461,10 @@ impl Dialect {
 
     /// The row's `expires_at`, read back after a fenced completion.
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
-    pub(crate) fn expires_at(&self, scope: &Scope<'_>) -> String {
+    pub(crate) fn expires_at(&self, a: &mut Args, scope: &Scope<'_>) -> String {
         format!(
             "SELECT expires_at FROM idempotency_records WHERE {}",
-            self.scope(scope)
+            self.scope(a, scope)
         )
     }
 }
@@ -469,8 +492,8 @@ pub(crate) async fn commit_if_written<DB: sqlx::Database>(
     }
 }
 
-/// Stamps out `Backend::list_leases` for a backend whose `DIALECT` is in
-/// scope.
+/// Stamps out `Backend::list_leases` for a backend whose `DIALECT` and
+/// `stmt` (a statement with its values) are in scope.
 macro_rules! list_leases {
     () => {
         async fn list_leases(
@@ -482,7 +505,9 @@ macro_rules! list_leases {
             if operations.is_empty() {
                 return Ok(Vec::new());
             }
-            sqlx::raw_sql(sqlx::AssertSqlSafe(DIALECT.list(operations, limit)))
+            let mut args = Vec::new();
+            let sql = DIALECT.list(&mut args, operations, limit);
+            stmt(sql, args)
                 .fetch_all(pool)
                 .await?
                 .iter()
@@ -507,7 +532,7 @@ macro_rules! list_unresolved {
             stranded_ms: i64,
         ) -> Result<Vec<$crate::store::UnresolvedRecord>, sqlx::Error> {
             use sqlx::FromRow as _;
-            sqlx::raw_sql(sqlx::AssertSqlSafe(DIALECT.unresolved(limit, stranded_ms)))
+            stmt(DIALECT.unresolved(limit, stranded_ms), Vec::new())
                 .fetch_all(pool)
                 .await?
                 .iter()
@@ -534,9 +559,7 @@ macro_rules! count_unresolved {
                 DIALECT.now,
                 DIALECT.unresolved_where(stranded_ms)
             );
-            let row = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-                .fetch_one(pool)
-                .await?;
+            let row = stmt(sql, Vec::new()).fetch_one(pool).await?;
             <(i64, Option<i64>, i64)>::from_row(&row)
         }
     };

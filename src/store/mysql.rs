@@ -8,7 +8,7 @@ use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
 use super::claimed::{CloseOnCancel, Ending};
-use super::lease::{Dialect, x_literal};
+use super::lease::{Args, Dialect, x_literal};
 use super::literal::hex;
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
@@ -281,7 +281,10 @@ impl Backend for MySql {
         claim_id: &str,
     ) -> Result<bool, sqlx::Error> {
         let secs = claim.lock_wait.as_secs_f64().round().clamp(1.0, 3600.0) as u64;
-        let sql = with_lock_wait(secs, &DIALECT.claim(claim, lease_ms, claim_id, ""));
+        let sql = with_lock_wait(
+            secs,
+            &DIALECT.claim(&mut Vec::new(), claim, lease_ms, claim_id, ""),
+        );
         match execute(pool, sql).await {
             Ok(_) => Ok(true),
             Err(e)
@@ -301,7 +304,7 @@ impl Backend for MySql {
         lease_ms: i64,
         parked: bool,
     ) -> Result<bool, sqlx::Error> {
-        let sql = DIALECT.take_over(scope, seen, lease_ms, parked);
+        let sql = DIALECT.take_over(&mut Vec::new(), scope, seen, lease_ms, parked);
         Ok(execute(pool, with_lock_wait(LEASE_LOCK_WAIT_SECS, &sql)).await? == 1)
     }
 
@@ -311,7 +314,7 @@ impl Backend for MySql {
         fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<bool, sqlx::Error> {
-        let sql = DIALECT.write(scope, fence, write);
+        let sql = DIALECT.write(&mut Vec::new(), scope, fence, write);
         Ok(execute(pool, with_lock_wait(LEASE_LOCK_WAIT_SECS, &sql)).await? == 1)
     }
 
@@ -354,13 +357,19 @@ impl Backend for MySql {
                 "{}; {}",
                 // A phase keeps all its writes, as a success does.
                 release_savepoint(RecordStatus::Succeeded),
-                with_lock_wait(LEASE_LOCK_WAIT_SECS, &DIALECT.write(scope, fence, write))
+                with_lock_wait(
+                    LEASE_LOCK_WAIT_SECS,
+                    &DIALECT.write(&mut Vec::new(), scope, fence, write)
+                )
             );
             let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
             if done.rows_affected() != 1 {
                 return Ok(None);
             }
-            let sql = format!("{}; COMMIT; SET autocommit = 1", DIALECT.expires_at(scope));
+            let sql = format!(
+                "{}; COMMIT; SET autocommit = 1",
+                DIALECT.expires_at(&mut Vec::new(), scope)
+            );
             let rows = sqlx::raw_sql(AssertSqlSafe(sql))
                 .fetch_all(&mut *tx)
                 .await?;
@@ -445,10 +454,11 @@ fn text(value: &str) -> String {
     format!("CONVERT({} USING utf8mb4)", x_literal(value.as_bytes()))
 }
 
+/// Values as literals of hex digits (nothing is bound: see [`stmt`]).
 pub(super) const DIALECT: Dialect = Dialect {
-    key: |value| x_literal(value.as_bytes()),
-    text,
-    blob: x_literal,
+    key: |_, v| x_literal(v.as_bytes()),
+    text: |_, v| text(v),
+    blob: |_, v| x_literal(v),
     read_key: |column| format!("CONVERT({column} USING utf8mb4)"),
     now: now_ms!(),
     parks: "CAST(parks AS SIGNED)",
@@ -462,6 +472,13 @@ const LEASE_LOCK_WAIT_SECS: u64 = 5;
 /// `sql` with its lock wait bounded for that statement alone.
 fn with_lock_wait(secs: u64, sql: &str) -> String {
     format!("/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ {sql}")
+}
+
+/// A lease or operator statement: its values are literals (`DIALECT`
+/// binds none), sent as written.
+pub(super) fn stmt(sql: String, args: Args) -> sqlx::RawSql {
+    debug_assert!(args.is_empty(), "MySQL's dialect binds nothing");
+    sqlx::raw_sql(AssertSqlSafe(sql))
 }
 
 /// Runs one literal statement on the pool; the rows it found.

@@ -3,12 +3,11 @@
 use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::Postgres;
+use sqlx::postgres::{PgArguments, Postgres};
 use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr};
 
 use super::claimed::rollback;
-use super::lease::Dialect;
-use super::literal::hex;
+use super::lease::{Arg, Args, Dialect, numbered};
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
     LeaseWrite, Migration, Record, RecordStatus, Scope, StoreErrorKind, TAKE_SAVEPOINT,
@@ -312,16 +311,15 @@ impl Backend for Postgres {
         claim_id: &str,
     ) -> Result<bool, sqlx::Error> {
         let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
-        let sql = format!(
-            "SET LOCAL lock_timeout = '{ms}ms'; {}",
-            DIALECT.claim(
-                claim,
-                lease_ms,
-                claim_id,
-                "ON CONFLICT (principal_id, operation, idem_key) DO NOTHING"
-            )
+        let mut a = Vec::new();
+        let sql = DIALECT.claim(
+            &mut a,
+            claim,
+            lease_ms,
+            claim_id,
+            "ON CONFLICT (principal_id, operation, idem_key) DO NOTHING",
         );
-        Ok(execute(pool, sql).await? == 1)
+        Ok(bounded(pool, ms, sql, a).await? == 1)
     }
 
     async fn take_over(
@@ -331,8 +329,9 @@ impl Backend for Postgres {
         lease_ms: i64,
         parked: bool,
     ) -> Result<bool, sqlx::Error> {
-        let sql = DIALECT.take_over(scope, seen, lease_ms, parked);
-        Ok(execute(pool, bounded_wait(&sql)).await? == 1)
+        let mut a = Vec::new();
+        let sql = DIALECT.take_over(&mut a, scope, seen, lease_ms, parked);
+        Ok(bounded(pool, LEASE_LOCK_WAIT_MS, sql, a).await? == 1)
     }
 
     async fn lease_write(
@@ -341,8 +340,9 @@ impl Backend for Postgres {
         fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<bool, sqlx::Error> {
-        let sql = DIALECT.write(scope, fence, write);
-        Ok(execute(pool, bounded_wait(&sql)).await? == 1)
+        let mut a = Vec::new();
+        let sql = DIALECT.write(&mut a, scope, fence, write);
+        Ok(bounded(pool, LEASE_LOCK_WAIT_MS, sql, a).await? == 1)
     }
 
     async fn begin_phase(
@@ -368,12 +368,13 @@ impl Backend for Postgres {
     ) -> Result<Option<i64>, FinishError> {
         // The fenced write and the transaction's id; the COMMIT only when
         // the fence matched (a stale writer's phase rolls back).
+        let mut a = Vec::new();
         let sql = format!(
             "WITH done AS ({} RETURNING expires_at) \
              SELECT max(expires_at), txid_current() FROM done",
-            DIALECT.write(scope, fence, write)
+            DIALECT.write(&mut a, scope, fence, write)
         );
-        let written = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_one(&mut *tx).await;
+        let written = stmt(sql, a).fetch_one(&mut *tx).await;
         let (expires_at, xid) = match written.and_then(|row| <(Option<i64>, i64)>::from_row(&row)) {
             Ok((Some(expires_at), xid)) => (expires_at, xid),
             Ok((None, _)) => {
@@ -508,28 +509,54 @@ async fn claim_read(
     Ok((xid, Some(record)))
 }
 
-/// How lease statements write literals and read the clock.
-/// Lease times are read from the wall clock at the statement
-/// (`clock_timestamp()`), not at the transaction's start: a phase that
-/// commits after a long transaction gets a full lease from its commit.
+/// How lease and operator statements take their values (bound
+/// parameters) and read the clock. Lease times are read from the wall
+/// clock at the statement (`clock_timestamp()`), not at the transaction's
+/// start: a phase that commits after a long transaction gets a full lease
+/// from its commit.
 pub(super) const DIALECT: Dialect = Dialect {
-    key: text,
-    text,
-    blob: bytea,
+    key: |a, v| numbered(a, Arg::Text(v.to_owned())),
+    text: |a, v| numbered(a, Arg::Text(v.to_owned())),
+    blob: |a, v| numbered(a, Arg::Bytes(v.to_vec())),
     read_key: |column| column.to_string(),
     now: "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT",
     parks: "parks::INT8",
 };
 
-/// A lease statement whose row-lock wait is bounded: the statement runs in
-/// the implicit transaction of its query, so `SET LOCAL` ends with it.
-fn bounded_wait(sql: &str) -> String {
-    format!("SET LOCAL lock_timeout = '{LEASE_LOCK_WAIT_MS}ms'; {sql}")
+/// A lease or operator statement with its values bound: prepared unnamed
+/// (a lease statement's text carries its generation and times, so caching
+/// it would only churn the pool's statement cache; PgBouncer in
+/// transaction mode needs nothing), its results read in binary. Nothing
+/// of a request is ever part of its text.
+pub(super) fn stmt(sql: String, args: Args) -> sqlx::query::Query<'static, Postgres, PgArguments> {
+    args.into_iter().fold(
+        sqlx::query(AssertSqlSafe(sql)).persistent(false),
+        |q, arg| match arg {
+            Arg::Text(v) => q.bind(v),
+            Arg::Bytes(v) => q.bind(v),
+        },
+    )
+}
+
+/// Runs a lease statement in a transaction of its own whose row-lock
+/// waits end after `ms` (`SET LOCAL`, which ends with the transaction:
+/// nothing of the session changes); the rows it changed.
+async fn bounded(
+    pool: &Pool<Postgres>,
+    ms: u128,
+    sql: String,
+    args: Args,
+) -> Result<u64, sqlx::Error> {
+    let begin = format!("BEGIN; SET LOCAL lock_timeout = '{ms}ms'");
+    let mut tx = pool.begin_with(AssertSqlSafe(begin)).await?;
+    let changed = stmt(sql, args).execute(&mut *tx).await?.rows_affected();
+    tx.commit().await?;
+    Ok(changed)
 }
 
 /// The longest wait of a lease statement on another writer's row lock.
 /// Phases hold the row's lock only while they commit.
-const LEASE_LOCK_WAIT_MS: u64 = 5_000;
+const LEASE_LOCK_WAIT_MS: u128 = 5_000;
 
 /// What the server says became of a transaction, by its id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -622,30 +649,6 @@ async fn lost_commit_status(pool: &Pool<Postgres>, xid: i64) -> XactStatus {
     }
 }
 
-/// Runs one literal statement on the pool; the rows it changed.
-async fn execute(pool: &Pool<Postgres>, sql: String) -> Result<u64, sqlx::Error> {
-    Ok(sqlx::raw_sql(AssertSqlSafe(sql))
-        .execute(pool)
-        .await?
-        .rows_affected())
-}
-
-/// A text value as an SQL expression made of hex digits only. The
-/// explicit collation lets the planner use the ledger's indexes with it
-/// (without it, `convert_from`'s result has no collation to match and a
-/// lookup becomes a sequential scan).
-fn text(value: &str) -> String {
-    format!(
-        "convert_from(decode('{}', 'hex'), 'UTF8') COLLATE \"default\"",
-        hex(value.as_bytes())
-    )
-}
-
-/// A `bytea` value as an SQL expression made of hex digits only.
-fn bytea(value: &[u8]) -> String {
-    format!("decode('{}', 'hex')", hex(value))
-}
-
 #[cfg(test)]
 mod tests {
     use super::XactStatus;
@@ -730,12 +733,20 @@ mod tests {
     }
 
     #[test]
-    fn literals_hold_only_hex_digits() {
-        let lit = super::text("x'); DROP TABLE t; --");
-        let inner = lit
-            .strip_prefix("convert_from(decode('")
-            .and_then(|l| l.strip_suffix("', 'hex'), 'UTF8') COLLATE \"default\""))
-            .unwrap();
-        assert!(inner.bytes().all(|b| b.is_ascii_hexdigit()));
+    fn lease_statements_bind_every_value() {
+        use super::{Arg, DIALECT};
+        use crate::store::Scope;
+        let crafted = "x'); DROP TABLE t; --";
+        let scope = Scope {
+            principal: crafted,
+            operation: "POST /pay",
+            key: "k-1",
+        };
+        let mut args = Vec::new();
+        let sql = DIALECT.expires_at(&mut args, &scope);
+        assert!(!sql.contains(crafted) && !sql.contains("k-1"), "{sql}");
+        assert!(sql.contains("$1") && sql.contains("$3"), "{sql}");
+        assert_eq!(args[0], Arg::Text(crafted.to_owned()));
+        assert_eq!(args.len(), 3);
     }
 }

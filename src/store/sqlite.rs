@@ -5,7 +5,7 @@ use sqlx::sqlite::Sqlite;
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr};
 
 use super::claimed::rollback;
-use super::lease::{Dialect, commit_if_written, x_literal};
+use super::lease::{Args, Dialect, commit_if_written, x_literal};
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
     LeaseWrite, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
@@ -189,6 +189,7 @@ impl Backend for Sqlite {
         claim_id: &str,
     ) -> Result<bool, sqlx::Error> {
         let sql = DIALECT.claim(
+            &mut Vec::new(),
             claim,
             lease_ms,
             claim_id,
@@ -204,7 +205,12 @@ impl Backend for Sqlite {
         lease_ms: i64,
         parked: bool,
     ) -> Result<bool, sqlx::Error> {
-        Ok(execute(pool, DIALECT.take_over(scope, seen, lease_ms, parked)).await? == 1)
+        Ok(execute(
+            pool,
+            DIALECT.take_over(&mut Vec::new(), scope, seen, lease_ms, parked),
+        )
+        .await?
+            == 1)
     }
 
     async fn lease_write(
@@ -213,7 +219,7 @@ impl Backend for Sqlite {
         fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<bool, sqlx::Error> {
-        Ok(execute(pool, DIALECT.write(scope, fence, write)).await? == 1)
+        Ok(execute(pool, DIALECT.write(&mut Vec::new(), scope, fence, write)).await? == 1)
     }
 
     async fn begin_phase(
@@ -233,7 +239,7 @@ impl Backend for Sqlite {
     ) -> Result<Option<i64>, FinishError> {
         let sql = format!(
             "{} RETURNING expires_at",
-            DIALECT.write(scope, fence, write)
+            DIALECT.write(&mut Vec::new(), scope, fence, write)
         );
         let written: Result<Option<i64>, _> = sqlx::query_scalar(AssertSqlSafe(sql))
             .fetch_optional(&mut *tx)
@@ -271,14 +277,22 @@ fn text(value: &str) -> String {
     format!("CAST({} AS TEXT)", x_literal(value.as_bytes()))
 }
 
+/// Values as literals of hex digits (nothing is bound: see [`stmt`]).
 pub(super) const DIALECT: Dialect = Dialect {
-    key: text,
-    text,
-    blob: x_literal,
+    key: |_, v| text(v),
+    text: |_, v| text(v),
+    blob: |_, v| x_literal(v),
     read_key: |column| column.to_string(),
     now: now_ms!(),
     parks: "parks",
 };
+
+/// A lease or operator statement: its values are literals (`DIALECT`
+/// binds none), sent as written.
+pub(super) fn stmt(sql: String, args: Args) -> sqlx::RawSql {
+    debug_assert!(args.is_empty(), "SQLite's dialect binds nothing");
+    sqlx::raw_sql(AssertSqlSafe(sql))
+}
 
 /// Runs one literal statement on the pool; the rows it changed.
 async fn execute(pool: &Pool<Sqlite>, sql: String) -> Result<u64, sqlx::Error> {
