@@ -25,6 +25,8 @@ pub(crate) struct Config {
     pub(crate) principal: PrincipalFn,
     pub(crate) operation: Option<Arc<str>>,
     pub(crate) normalizer: Normalizer,
+    /// Request headers whose values join the fingerprint.
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
     pub(crate) retention: Duration,
@@ -62,6 +64,7 @@ impl std::fmt::Debug for Config {
             .field("key_from_body", &self.key_from_body.is_some())
             .field("operation", &self.operation)
             .field("normalizer", &self.normalizer)
+            .field("fingerprint_headers", &self.fingerprint_headers)
             .field("max_request_body", &self.max_request_body)
             .field("max_response_body", &self.max_response_body)
             .field("retention", &self.retention)

@@ -13,6 +13,10 @@ pub enum ConfigError {
     MismatchStatus(StatusCode),
     /// A limit, wait, count or retention was zero.
     Zero(&'static str),
+    /// A header that differs from one attempt to the next, or carries a
+    /// credential, cannot be part of the fingerprint (see
+    /// `IdempotencyLayer::with_fingerprint_headers`).
+    FingerprintHeader(http::HeaderName),
     /// A duration was longer than the longest the store's clock arithmetic
     /// (and the protocol) can use.
     TooLong {
@@ -28,6 +32,10 @@ impl std::fmt::Display for ConfigError {
         match self {
             Self::MismatchStatus(s) => write!(f, "mismatch status must be 409 or 422, not {s}"),
             Self::Zero(what) => write!(f, "{what} must be greater than zero"),
+            Self::FingerprintHeader(name) => write!(
+                f,
+                "{name} cannot be fingerprinted: it differs between attempts or carries a credential"
+            ),
             Self::TooLong { what, max } => write!(f, "{what} must be at most {max:?}"),
         }
     }

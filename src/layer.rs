@@ -59,6 +59,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 methods: vec![Method::POST, Method::PATCH],
                 paths: None,
                 key_from_body: None,
+                fingerprint_headers: Vec::new(),
                 key_required: true,
                 key_mode: KeyMode::Lenient,
                 principal: principal_from_extensions(),
@@ -103,6 +104,56 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     pub fn with_paths<P: Into<String>>(mut self, paths: impl IntoIterator<Item = P>) -> Self {
         self.config.paths = Some(paths.into_iter().map(Into::into).collect());
         self
+    }
+
+    /// Request headers whose values are part of "the same request": for
+    /// APIs that version by header (`Api-Version`, a `Stripe-Version`
+    /// style date), a retry under another version, or without the header,
+    /// is then another request (`422`, key reused) rather than a replay of
+    /// an answer shaped for the first one. Values count byte for byte, all
+    /// of a repeated header in order. The default is none.
+    ///
+    /// Refused with [`ConfigError::FingerprintHeader`]: credentials and
+    /// headers that differ from one attempt to the next by design
+    /// (`authorization`, `proxy-authorization`, `cookie`, `idempotency-key`,
+    /// `date`, `traceparent`, `tracestate`, `baggage`, `x-request-id`,
+    /// `x-correlation-id`, `grpc-timeout`, `user-agent`, and the hop-by-hop
+    /// and framing headers `content-length`, `transfer-encoding`,
+    /// `connection`, `te`, `host`).
+    pub fn with_fingerprint_headers(
+        mut self,
+        headers: impl IntoIterator<Item = HeaderName>,
+    ) -> Result<Self, ConfigError> {
+        const REFUSED: [&str; 17] = [
+            "authorization",
+            "proxy-authorization",
+            "cookie",
+            "idempotency-key",
+            "date",
+            "traceparent",
+            "tracestate",
+            "baggage",
+            "x-request-id",
+            "x-correlation-id",
+            "grpc-timeout",
+            "user-agent",
+            "content-length",
+            "transfer-encoding",
+            "connection",
+            "te",
+            "host",
+        ];
+        let mut names: Vec<HeaderName> = Vec::new();
+        for name in headers {
+            if REFUSED.contains(&name.as_str()) {
+                return Err(ConfigError::FingerprintHeader(name));
+            }
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+        self.config.fingerprint_headers = names;
+        Ok(self)
     }
 
     /// Reads the key from the request body when the request has no
@@ -399,6 +450,19 @@ mod tests {
         assert!(layer().with_claim_retries(1, Duration::ZERO).is_err());
         assert!(layer().with_max_request_body(0).is_err());
         assert!(layer().with_mismatch_status(StatusCode::OK).is_err());
+        for refused in [header::AUTHORIZATION, header::COOKIE, header::DATE] {
+            assert_eq!(
+                layer()
+                    .with_fingerprint_headers([refused.clone()])
+                    .unwrap_err(),
+                ConfigError::FingerprintHeader(refused)
+            );
+        }
+        assert!(
+            layer()
+                .with_fingerprint_headers([HeaderName::from_static("api-version")])
+                .is_ok()
+        );
         // Waits that become `Instant + d` are bounded: Duration::MAX
         // panicked on every request. (A retention that long is "forever",
         // capped: see `longest_retention_still_records_and_replays`.)

@@ -222,6 +222,20 @@ impl Normalizer {
         parts: &Parts,
         body: &Bytes,
     ) -> Result<Fingerprint, FingerprintError> {
+        self.fingerprint_with(parts, body, &[])
+    }
+
+    /// [`fingerprint`](Self::fingerprint), with the values of `headers`
+    /// (`IdempotencyLayer::with_fingerprint_headers`) hashed after the
+    /// target: each name, then how many values it has (none when absent),
+    /// then each value, all length-prefixed. With no headers named, the
+    /// fingerprint is the one earlier versions computed.
+    pub(crate) fn fingerprint_with(
+        &self,
+        parts: &Parts,
+        body: &Bytes,
+        headers: &[http::HeaderName],
+    ) -> Result<Fingerprint, FingerprintError> {
         let mut h = Sha256::new();
         let mut target = crate::path::normalize(parts.uri.path());
         if let Some(query) = parts.uri.query() {
@@ -233,6 +247,16 @@ impl Normalizer {
         for part in [parts.method.as_str().as_bytes(), target.as_bytes()] {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part);
+        }
+        for name in headers {
+            h.update((name.as_str().len() as u64).to_be_bytes());
+            h.update(name.as_str());
+            let values = parts.headers.get_all(name);
+            h.update((values.iter().count() as u64).to_be_bytes());
+            for value in values {
+                h.update((value.len() as u64).to_be_bytes());
+                h.update(value.as_bytes());
+            }
         }
         match &self.0 {
             Inner::CanonicalJson if is_json(parts) => h.update(canonical_json(body)?),

@@ -292,15 +292,19 @@ impl<DB: Backend> Run<DB> {
             }
             Err(problem) => return Ok(refuse(problem, 0)),
         };
-        let fingerprint = match cfg.normalizer.fingerprint(&parts, &body) {
-            Ok(fp) => fp,
-            Err(e) => {
-                return Ok(refuse(
-                    Problem::new(ProblemKind::InvalidBody, e.to_string()),
-                    0,
-                ));
-            }
-        };
+        let fingerprint =
+            match cfg
+                .normalizer
+                .fingerprint_with(&parts, &body, &cfg.fingerprint_headers)
+            {
+                Ok(fp) => fp,
+                Err(e) => {
+                    return Ok(refuse(
+                        Problem::new(ProblemKind::InvalidBody, e.to_string()),
+                        0,
+                    ));
+                }
+            };
         let operation = match &cfg.operation {
             Some(op) => op.to_string(),
             None => default_operation(&parts),

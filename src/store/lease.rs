@@ -260,21 +260,28 @@ impl Dialect {
 
     /// A lease claim: `PROCESSING`, generation 1, the claim id (in its
     /// column, and in the saved data as [`CLAIM_ID`]), leased for
-    /// `lease_ms`. `tail` is the backend's conflict clause. The claim id is
-    /// made of hex digits.
+    /// `lease_ms`. `tail` is the backend's conflict clause; `gate`, a
+    /// condition evaluated once before the row is written (PostgreSQL's
+    /// bound on the statement's lock wait: see `postgres::lock_wait`). The
+    /// claim id is made of hex digits.
     pub(crate) fn claim(
         &self,
         a: &mut Args,
         claim: &Claim<'_>,
         lease_ms: i64,
         claim_id: &str,
+        gate: Option<&str>,
         tail: &str,
     ) -> String {
+        let (open, close) = match gate {
+            None => ("VALUES (".to_string(), ")".to_string()),
+            Some(gate) => ("SELECT ".to_string(), format!(" WHERE {gate}")),
+        };
         format!(
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
              request_fingerprint, status, created_at, expires_at, generation, locked_until, \
              recovery_data, claim_id) \
-             VALUES ({}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}, 1, {now} + {lease_ms}, {}, {}) \
+             {open}{}, {}, {}, {}, 'PROCESSING', {now}, {now} + {}, 1, {now} + {lease_ms}, {}, {}{close} \
              {tail}",
             (self.key)(a, claim.scope.principal),
             (self.key)(a, claim.scope.operation),

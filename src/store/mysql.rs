@@ -283,7 +283,7 @@ impl Backend for MySql {
         let secs = claim.lock_wait.as_secs_f64().round().clamp(1.0, 3600.0) as u64;
         let sql = with_lock_wait(
             secs,
-            &DIALECT.claim(&mut Vec::new(), claim, lease_ms, claim_id, ""),
+            &DIALECT.claim(&mut Vec::new(), claim, lease_ms, claim_id, None, ""),
         );
         match execute(pool, sql).await {
             Ok(_) => Ok(true),

@@ -317,9 +317,10 @@ impl Backend for Postgres {
             claim,
             lease_ms,
             claim_id,
+            Some(&lock_wait(ms)),
             "ON CONFLICT (principal_id, operation, idem_key) DO NOTHING",
         );
-        Ok(bounded(pool, ms, sql, a).await? == 1)
+        Ok(execute(pool, sql, a).await? == 1)
     }
 
     async fn take_over(
@@ -331,7 +332,8 @@ impl Backend for Postgres {
     ) -> Result<bool, sqlx::Error> {
         let mut a = Vec::new();
         let sql = DIALECT.take_over(&mut a, scope, seen, lease_ms, parked);
-        Ok(bounded(pool, LEASE_LOCK_WAIT_MS, sql, a).await? == 1)
+        let sql = format!("{sql} AND {}", lock_wait(LEASE_LOCK_WAIT_MS));
+        Ok(execute(pool, sql, a).await? == 1)
     }
 
     async fn lease_write(
@@ -342,7 +344,8 @@ impl Backend for Postgres {
     ) -> Result<bool, sqlx::Error> {
         let mut a = Vec::new();
         let sql = DIALECT.write(&mut a, scope, fence, write);
-        Ok(bounded(pool, LEASE_LOCK_WAIT_MS, sql, a).await? == 1)
+        let sql = format!("{sql} AND {}", lock_wait(LEASE_LOCK_WAIT_MS));
+        Ok(execute(pool, sql, a).await? == 1)
     }
 
     async fn begin_phase(
@@ -538,20 +541,19 @@ pub(super) fn stmt(sql: String, args: Args) -> sqlx::query::Query<'static, Postg
     )
 }
 
-/// Runs a lease statement in a transaction of its own whose row-lock
-/// waits end after `ms` (`SET LOCAL`, which ends with the transaction:
-/// nothing of the session changes); the rows it changed.
-async fn bounded(
-    pool: &Pool<Postgres>,
-    ms: u128,
-    sql: String,
-    args: Args,
-) -> Result<u64, sqlx::Error> {
-    let begin = format!("BEGIN; SET LOCAL lock_timeout = '{ms}ms'");
-    let mut tx = pool.begin_with(AssertSqlSafe(begin)).await?;
-    let changed = stmt(sql, args).execute(&mut *tx).await?.rows_affected();
-    tx.commit().await?;
-    Ok(changed)
+/// Runs one lease statement on the pool (in the implicit transaction of
+/// its own round trip); the rows it changed.
+async fn execute(pool: &Pool<Postgres>, sql: String, args: Args) -> Result<u64, sqlx::Error> {
+    Ok(stmt(sql, args).execute(pool).await?.rows_affected())
+}
+
+/// A condition that bounds the lock waits of the statement whose `WHERE`
+/// it joins to `ms`: an uncorrelated sub-select is a one-time filter,
+/// evaluated before the statement reads or writes a row, and its
+/// `set_config(…, true)` lasts as long as the statement's own implicit
+/// transaction, so nothing of the session changes.
+fn lock_wait(ms: u128) -> String {
+    format!("(SELECT set_config('lock_timeout', '{ms}ms', true)) IS NOT NULL")
 }
 
 /// The longest wait of a lease statement on another writer's row lock.

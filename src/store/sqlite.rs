@@ -193,6 +193,7 @@ impl Backend for Sqlite {
             claim,
             lease_ms,
             claim_id,
+            None,
             "ON CONFLICT (principal_id, operation, idem_key) DO NOTHING",
         );
         Ok(execute(pool, sql).await? == 1)

@@ -1649,6 +1649,42 @@ pub async fn an_answer_over_the_recording_limit_commits_once_and_never_runs_agai
     assert_eq!(h.ledger().await, 1);
 }
 
+/// Case: with `Api-Version` fingerprinted, a retry under the same version
+/// replays, and one under another version (or without the header) is
+/// another request: refused as a reused key, never run, never replayed.
+pub async fn fingerprinted_headers_tell_versions_apart<DB: ConformanceDb>(h: Harness<DB>) {
+    let layer = h
+        .layer()
+        .with_fingerprint_headers([http::HeaderName::from_static("api-version")])
+        .unwrap();
+    let app = h.app_with(layer);
+    let versioned = |version: Option<&'static str>| {
+        let mut req = order(ALICE, KEY, BODY);
+        if let Some(v) = version {
+            req.headers_mut()
+                .insert("api-version", http::HeaderValue::from_static(v));
+        }
+        req
+    };
+    let first = send(&app, versioned(Some("2026-01-01"))).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let again = send(&app, versioned(Some("2026-01-01"))).await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(again.body, first.body);
+    for other in [Some("2026-06-01"), None] {
+        let refused = send(&app, versioned(other)).await;
+        assert_eq!(
+            refused.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{other:?}: {refused:?}"
+        );
+        assert!(!refused.replayed());
+    }
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger().await, 1);
+}
+
 /// Case: a gRPC answer over the recording limit commits once and reaches
 /// its client whole; a retry gets a trailers-only `ALREADY_EXISTS` (reason
 /// `IDEMPOTENCY_RESPONSE_NOT_KEPT`) with the recorded metadata, never a
