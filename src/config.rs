@@ -47,7 +47,12 @@ pub(crate) struct Config {
     pub(crate) max_waiting: usize,
     pub(crate) waiters: Arc<tokio::sync::Semaphore>,
     pub(crate) lease: Option<LeaseMode>,
+    /// Chooses a request's retention and limits (`with_policy`).
+    pub(crate) policy: Option<PolicyFn>,
 }
+
+pub(crate) type PolicyFn =
+    Arc<dyn Fn(&http::request::Parts, Option<&crate::Principal>) -> crate::Policy + Send + Sync>;
 
 pub(crate) type KeyFromBodyFn =
     Arc<dyn Fn(&http::request::Parts, &bytes::Bytes) -> Option<String> + Send + Sync>;
@@ -79,6 +84,7 @@ impl std::fmt::Debug for Config {
             .field("isolation", &self.isolation)
             .field("max_waiting", &self.max_waiting)
             .field("lease", &self.lease)
+            .field("policy", &self.policy.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -14,6 +14,7 @@ use crate::expiry::DEFAULT_RETENTION;
 use crate::fingerprint::Normalizer;
 use crate::key::KeyMode;
 use crate::lease::LeaseMode;
+use crate::policy::Policy;
 use crate::replay::default_recorded_headers;
 use crate::scope::{Principal, principal_from_extensions};
 use crate::service::Idempotency;
@@ -83,6 +84,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 max_waiting,
                 waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
                 lease: None,
+                policy: None,
             },
         }
     }
@@ -103,6 +105,40 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     #[must_use]
     pub fn with_paths<P: Into<String>>(mut self, paths: impl IntoIterator<Item = P>) -> Self {
         self.config.paths = Some(paths.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Chooses retention and limits per request: `f` sees the request head
+    /// and its principal (as [`with_principal`](Self::with_principal)
+    /// finds it) before the key is claimed, and returns a [`Policy`]; what
+    /// the policy leaves unset is this layer's. For example 30 days for an
+    /// enterprise tenant's payments, an hour for everyone's cart:
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tower_idempotency::{ConfigError, IdempotencyLayer, Policy};
+    /// # fn build(pool: sqlx::SqlitePool) -> Result<IdempotencyLayer<sqlx::Sqlite>, ConfigError> {
+    /// let month = Policy::new().with_retention(Duration::from_secs(30 * 86_400))?;
+    /// let hour = Policy::new().with_retention(Duration::from_secs(3_600))?;
+    /// Ok(IdempotencyLayer::new(pool).with_policy(move |parts, principal| {
+    ///     let enterprise = principal.is_some_and(|p| p.as_str().starts_with("ent-"));
+    ///     match parts.uri.path() {
+    ///         "/payments" if enterprise => month,
+    ///         "/cart" => hour,
+    ///         _ => Policy::new(),
+    ///     }
+    /// }))
+    /// # }
+    /// ```
+    ///
+    /// The function runs on every guarded request: keep it cheap (no I/O).
+    /// Every setting of a policy was checked when it was built.
+    #[must_use]
+    pub fn with_policy<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&Parts, Option<&Principal>) -> Policy + Send + Sync + 'static,
+    {
+        self.config.policy = Some(Arc::new(f));
         self
     }
 

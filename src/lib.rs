@@ -276,6 +276,7 @@ mod local;
 mod observe;
 mod outcome;
 mod path;
+mod policy;
 pub mod problem;
 #[cfg(feature = "grpc")]
 pub mod protobuf;
@@ -299,6 +300,7 @@ pub use fingerprint::{Fingerprint, FingerprintError, Normalizer};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyMode, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
 pub use outcome::IdempotencyOutcome;
+pub use policy::Policy;
 pub use problem::ProblemKind;
 pub use reconcile::{DEFAULT_STRANDED_AFTER, Reconciler, Resolution, ResolveError};
 pub use replay::IDEMPOTENT_REPLAYED;

@@ -238,7 +238,7 @@ struct Run<DB: Backend> {
 
 impl<DB: Backend> Run<DB> {
     async fn guarded<S, ReqBody, ResBody>(
-        self,
+        mut self,
         inner: S,
         req: Request<ReqBody>,
     ) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
@@ -249,8 +249,14 @@ impl<DB: Backend> Run<DB> {
         ResBody: Body<Data = Bytes>,
         ResBody::Error: Into<BoxError>,
     {
-        let cfg = &self.config;
         let (parts, body) = req.into_parts();
+        if let Some(policy) = &self.config.policy {
+            let principal = (self.config.principal)(&parts);
+            if let Some(config) = policy(&parts, principal.as_ref()).applied_to(&self.config) {
+                self.config = Arc::new(config);
+            }
+        }
+        let cfg = &self.config;
         let header_key = match IdempotencyKey::from_headers(&parts.headers, cfg.key_mode) {
             Ok(key) => key,
             Err(e) => {

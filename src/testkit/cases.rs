@@ -1649,6 +1649,70 @@ pub async fn an_answer_over_the_recording_limit_commits_once_and_never_runs_agai
     assert_eq!(h.ledger().await, 1);
 }
 
+/// Case: a policy per principal puts two retentions and two body limits
+/// side by side in one ledger: each record expires on its own clock (the
+/// `410` and the sweeper read the record's `expires_at`), and each request
+/// is held to its own limit.
+pub async fn policies_give_records_their_own_retention_and_limits<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    use crate::Policy;
+    let short = Policy::new()
+        .with_retention(Duration::from_secs(1))
+        .unwrap();
+    let long = Policy::new()
+        .with_retention(Duration::from_secs(86_400))
+        .unwrap()
+        .with_max_request_body(64)
+        .unwrap();
+    let layer = h
+        .layer()
+        .with_policy(move |_, principal| match principal.map(|p| p.as_str()) {
+            Some("user-42") => short,
+            Some("user-7") => long,
+            _ => Policy::new(),
+        });
+    let app = h.app_with(layer);
+    let alice = send(&app, order(ALICE, KEY, BODY)).await;
+    let bob = send(&app, order(Some("user-7"), KEY, BODY)).await;
+    assert_eq!(
+        (alice.status, bob.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    let kept = |who: &'static str| {
+        let sql: &'static str = match who {
+            "user-42" => {
+                "SELECT expires_at - created_at FROM idempotency_records WHERE principal_id = 'user-42'"
+            }
+            _ => {
+                "SELECT expires_at - created_at FROM idempotency_records WHERE principal_id = 'user-7'"
+            }
+        };
+        DB::count(&h.pool, sql)
+    };
+    assert_eq!(kept("user-42").await, 1_000);
+    assert_eq!(kept("user-7").await, 86_400_000);
+    // Bob's limit is his policy's: a body over 64 bytes is refused, unread
+    // and unstored; Alice keeps the layer's 1 MiB.
+    let big = format!(
+        r#"{{"amount":12000,"items":[],"note":"{}"}}"#,
+        "x".repeat(100)
+    );
+    let refused = send(&app, order(Some("user-7"), Some("\"big\""), &big)).await;
+    assert_eq!(refused.status, StatusCode::PAYLOAD_TOO_LARGE, "{refused:?}");
+    let fits = send(&app, order(ALICE, Some("\"big\""), &big)).await;
+    assert_eq!(fits.status, StatusCode::CREATED, "{fits:?}");
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let alice_again = send(&app, order(ALICE, KEY, BODY)).await;
+    assert_eq!(alice_again.status, StatusCode::GONE, "{alice_again:?}");
+    let bob_again = send(&app, order(Some("user-7"), KEY, BODY)).await;
+    assert!(bob_again.replayed(), "{bob_again:?}");
+    let swept = crate::Sweeper::new(h.pool.clone()).sweep().await.unwrap();
+    assert_eq!(swept.expired, 2, "Alice's two records, not Bob's");
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+    assert_eq!(h.executions(), 3);
+}
+
 /// Case: with `Api-Version` fingerprinted, a retry under the same version
 /// replays, and one under another version (or without the header) is
 /// another request: refused as a reused key, never run, never replayed.
