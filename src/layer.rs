@@ -108,6 +108,16 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         self
     }
 
+    /// The key-status look-up for this layer's keys ("did my key land?"):
+    /// a read-only service to mount behind the same authentication as the
+    /// guarded routes. See [`keys`](crate::keys).
+    pub fn key_status(&self) -> crate::keys::KeyStatus<DB> {
+        crate::keys::KeyStatus {
+            pool: self.pool.clone(),
+            config: Arc::new(self.config.clone()),
+        }
+    }
+
     /// Chooses retention and limits per request: `f` sees the request head
     /// and its principal (as [`with_principal`](Self::with_principal)
     /// finds it) before the key is claimed, and returns a [`Policy`]; what

@@ -270,6 +270,7 @@ mod expiry;
 mod fingerprint;
 mod grpc;
 mod key;
+pub mod keys;
 mod layer;
 pub mod lease;
 mod local;

@@ -54,10 +54,19 @@ impl LocalClaims {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether a request of `scope` is running in this process now.
+    pub(crate) fn is_running(&self, scope: &Scope<'_>) -> bool {
+        self.lock().contains_key(&Self::key(scope))
+    }
+
+    fn key(scope: &Scope<'_>) -> String {
+        format!("{}\0{}\0{}", scope.principal, scope.operation, scope.key)
+    }
+
     /// Becomes the scope's leader, or waits (at most `wait`) for the
     /// current leader to finish.
     pub(crate) async fn lead_or_wait(self: &Arc<Self>, scope: &Scope<'_>, wait: Duration) -> Local {
-        let key = format!("{}\0{}\0{}", scope.principal, scope.operation, scope.key);
+        let key = Self::key(scope);
         let mut running = {
             let mut map = self.lock();
             match map.get(&key) {

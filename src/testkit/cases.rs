@@ -1713,6 +1713,94 @@ pub async fn policies_give_records_their_own_retention_and_limits<DB: Conformanc
     assert_eq!(h.executions(), 3);
 }
 
+/// Case: the key-status look-up tells a caller where its own key stands
+/// (not found, in flight, succeeded with the answer on request, failed,
+/// expired), never shows another principal's record, and stores nothing.
+pub async fn the_key_status_look_up_says_where_a_key_stands<DB: ConformanceDb>(h: Harness<DB>) {
+    let layer = h.layer();
+    let app = h.app_with(layer.clone()).route_service(
+        "/idempotency-keys",
+        axum::routing::any_service(layer.key_status()),
+    );
+    let look = |who: Option<&'static str>, key: Option<&'static str>, answer: bool| {
+        let uri = format!(
+            "/idempotency-keys?operation=POST%20%2Forders{}",
+            if answer { "&answer=true" } else { "" }
+        );
+        let mut req = http::Request::get(uri);
+        if let Some(who) = who {
+            req = req.header("authorization", format!("Bearer {who}"));
+        }
+        if let Some(key) = key {
+            req = req.header("idempotency-key", key);
+        }
+        req.body(axum::body::Body::empty()).unwrap()
+    };
+    let status_of = |a: &super::Answer| a.json()["status"].as_str().unwrap_or("").to_owned();
+
+    let none = send(&app, look(ALICE, KEY, false)).await;
+    assert_eq!(none.status, StatusCode::OK, "{none:?}");
+    assert_eq!(status_of(&none), "not_found");
+
+    let first = send(&app, order(ALICE, KEY, BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let done = send(&app, look(ALICE, KEY, false)).await;
+    assert_eq!(status_of(&done), "succeeded", "{done:?}");
+    assert_eq!(done.json()["response_status"], 201);
+    assert!(done.json()["expires"].is_string());
+    let answer = send(&app, look(ALICE, KEY, true)).await;
+    assert_eq!(answer.status, StatusCode::CREATED);
+    assert!(answer.replayed());
+    assert_eq!(answer.body, first.body, "the recorded answer itself");
+    // Another principal's look at the same key and operation: its own
+    // (absent) record, never Alice's.
+    let other = send(&app, look(Some("user-7"), KEY, true)).await;
+    assert_eq!(status_of(&other), "not_found", "{other:?}");
+
+    // A recorded final business error.
+    let declined = Some("\"declined-1\"");
+    let final_error = r#"{"amount":12000,"items":[],"mode":"mark_final"}"#;
+    let failed = send(&app, order(ALICE, declined, final_error)).await;
+    assert_eq!(failed.status, StatusCode::BAD_GATEWAY);
+    let looked = send(&app, look(ALICE, declined, false)).await;
+    assert_eq!(status_of(&looked), "failed", "{looked:?}");
+    assert_eq!(looked.json()["response_status"], 502);
+
+    // A request still running.
+    let slow = Some("\"slow-1\"");
+    let running = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            send(
+                &app,
+                order(ALICE, slow, r#"{"amount":1,"items":[],"sleep_ms":1500}"#),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let flying = send(&app, look(ALICE, slow, false)).await;
+    assert_eq!(status_of(&flying), "in_flight", "{flying:?}");
+    assert!(flying.headers.contains_key("retry-after"));
+    assert_eq!(running.await.unwrap().status, StatusCode::CREATED);
+    let landed = send(&app, look(ALICE, slow, false)).await;
+    assert_eq!(status_of(&landed), "succeeded", "{landed:?}");
+
+    // Past its retention.
+    DB::exec(&h.pool, "UPDATE idempotency_records SET expires_at = 0").await;
+    let gone = send(&app, look(ALICE, KEY, true)).await;
+    assert_eq!(status_of(&gone), "expired", "{gone:?}");
+
+    // Refusals: no key, no principal.
+    let no_key = send(&app, look(ALICE, None, false)).await;
+    assert_eq!(no_key.status, StatusCode::BAD_REQUEST);
+    let anonymous = send(&app, look(None, KEY, false)).await;
+    assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+
+    assert_eq!(h.executions(), 3, "look-ups run nothing");
+    assert_eq!(h.ledger().await, 3, "and store nothing");
+}
+
 /// Case: with `Api-Version` fingerprinted, a retry under the same version
 /// replays, and one under another version (or without the header) is
 /// another request: refused as a reused key, never run, never replayed.
