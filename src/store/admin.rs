@@ -261,21 +261,25 @@ macro_rules! admin_backend {
                     d.scope(&mut a, scope),
                     $lock
                 );
-                let Some(row) = $stmt(bound(read), a).fetch_optional(&mut *tx).await? else {
+                let cached = super::caches_statements(pool);
+                let Some(row) = $stmt(bound(read), a, cached)
+                    .fetch_optional(&mut *tx)
+                    .await?
+                else {
                     tx.rollback().await?;
                     return Ok(false);
                 };
                 let before = ledger_row(&row)?.before_json().to_string();
                 let mut a = Vec::new();
                 let write = bound(d.write(&mut a, scope, fence, write));
-                let done = $stmt(write, a).execute(&mut *tx).await?;
+                let done = $stmt(write, a, cached).execute(&mut *tx).await?;
                 if done.rows_affected() != 1 {
                     tx.rollback().await?;
                     return Ok(false);
                 }
                 let mut a = Vec::new();
                 let insert = d.audit_insert(&mut a, scope, note, &before);
-                $stmt(insert, a).execute(&mut *tx).await?;
+                $stmt(insert, a, cached).execute(&mut *tx).await?;
                 tx.commit().await?;
                 Ok(true)
             }
@@ -287,12 +291,11 @@ macro_rules! admin_backend {
                 let d: &Dialect = &$dialect;
                 let mut a = Vec::new();
                 let sql = format!("{} WHERE {}", d.row_select(), d.scope(&mut a, scope));
-                $stmt(sql, a)
-                    .fetch_optional(pool)
-                    .await?
-                    .as_ref()
-                    .map(ledger_row)
-                    .transpose()
+                super::on_ledger!($db, pool, |ex, cached| $stmt(sql, a, cached)
+                    .fetch_optional(ex))
+                .as_ref()
+                .map(ledger_row)
+                .transpose()
             }
 
             async fn audit_trail(
@@ -305,12 +308,11 @@ macro_rules! admin_backend {
                 // newest rows), oldest first in the answer.
                 let mut a = Vec::new();
                 let sql = d.audit_select(&mut a, scope, limit);
-                let mut trail = $stmt(sql, a)
-                    .fetch_all(pool)
-                    .await?
-                    .iter()
-                    .map(audit_entry)
-                    .collect::<Result<Vec<_>, _>>()?;
+                let mut trail = super::on_ledger!($db, pool, |ex, cached| $stmt(sql, a, cached)
+                    .fetch_all(ex))
+                .iter()
+                .map(audit_entry)
+                .collect::<Result<Vec<_>, _>>()?;
                 trail.reverse();
                 Ok(trail)
             }
@@ -320,9 +322,10 @@ macro_rules! admin_backend {
                 stranded_ms: i64,
             ) -> Result<LedgerStatus, sqlx::Error> {
                 let d: &Dialect = &$dialect;
-                let groups = $stmt(d.status_groups(), Vec::new())
-                    .fetch_all(pool)
-                    .await?
+                let sql = d.status_groups();
+                let groups =
+                    super::on_ledger!($db, pool, |ex, cached| $stmt(sql, Vec::new(), cached)
+                        .fetch_all(ex))
                     .iter()
                     .map(|row| {
                         let status: String = row.try_get(0)?;
@@ -335,9 +338,10 @@ macro_rules! admin_backend {
                     })
                     .collect::<Result<Vec<_>, sqlx::Error>>()?;
                 let now = <$db as AdminBackend>::clock(pool).await?;
-                let leases = $stmt(d.status_leases(now), Vec::new())
-                    .fetch_one(pool)
-                    .await?;
+                let sql = d.status_leases(now);
+                let leases =
+                    super::on_ledger!($db, pool, |ex, cached| $stmt(sql, Vec::new(), cached)
+                        .fetch_one(ex));
                 let (unresolved, oldest_unresolved, _) =
                     <$db as Backend>::count_unresolved(pool, stranded_ms).await?;
                 let size: Option<DiskSize> = {
@@ -366,7 +370,9 @@ macro_rules! admin_backend {
             async fn clock(pool: &Pool<Self>) -> Result<i64, sqlx::Error> {
                 let d: &Dialect = &$dialect;
                 let sql = format!("SELECT {}", d.now);
-                $stmt(sql, Vec::new()).fetch_one(pool).await?.try_get(0)
+                super::on_ledger!($db, pool, |ex, cached| $stmt(sql, Vec::new(), cached)
+                    .fetch_one(ex))
+                .try_get(0)
             }
 
             async fn applied_migrations(
@@ -387,9 +393,9 @@ macro_rules! admin_backend {
             async fn sweep_preview(pool: &Pool<Self>) -> Result<SweepPreview, sqlx::Error> {
                 let d: &Dialect = &$dialect;
                 let now = <$db as AdminBackend>::clock(pool).await?;
-                let row = $stmt(d.sweep_counts(now), Vec::new())
-                    .fetch_one(pool)
-                    .await?;
+                let sql = d.sweep_counts(now);
+                let row = super::on_ledger!($db, pool, |ex, cached| $stmt(sql, Vec::new(), cached)
+                    .fetch_one(ex));
                 Ok(SweepPreview {
                     expirable: row.try_get(0)?,
                     purgeable: row.try_get(1)?,

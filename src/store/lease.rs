@@ -514,16 +514,13 @@ macro_rules! list_leases {
             }
             let mut args = Vec::new();
             let sql = DIALECT.list(&mut args, operations, limit);
-            stmt(sql, args)
-                .fetch_all(pool)
-                .await?
-                .iter()
-                .map(|row| {
-                    $crate::store::lease::lease_from_row($crate::store::lease::LeaseRow::from_row(
-                        row,
-                    )?)
-                })
-                .collect()
+            $crate::store::on_ledger!(Self, pool, |ex, cached| stmt(sql, args, cached)
+                .fetch_all(ex))
+            .iter()
+            .map(|row| {
+                $crate::store::lease::lease_from_row($crate::store::lease::LeaseRow::from_row(row)?)
+            })
+            .collect()
         }
     };
 }
@@ -539,14 +536,14 @@ macro_rules! list_unresolved {
             stranded_ms: i64,
         ) -> Result<Vec<$crate::store::UnresolvedRecord>, sqlx::Error> {
             use sqlx::FromRow as _;
-            stmt(DIALECT.unresolved(limit, stranded_ms), Vec::new())
-                .fetch_all(pool)
-                .await?
-                .iter()
-                .map(|row| {
-                    $crate::store::unresolved_from_row($crate::store::UnresolvedRow::from_row(row)?)
-                })
-                .collect()
+            let sql = DIALECT.unresolved(limit, stranded_ms);
+            $crate::store::on_ledger!(Self, pool, |ex, cached| stmt(sql, Vec::new(), cached)
+                .fetch_all(ex))
+            .iter()
+            .map(|row| {
+                $crate::store::unresolved_from_row($crate::store::UnresolvedRow::from_row(row)?)
+            })
+            .collect()
         }
     };
 }
@@ -566,7 +563,9 @@ macro_rules! count_unresolved {
                 DIALECT.now,
                 DIALECT.unresolved_where(stranded_ms)
             );
-            let row = stmt(sql, Vec::new()).fetch_one(pool).await?;
+            let row =
+                $crate::store::on_ledger!(Self, pool, |ex, cached| stmt(sql, Vec::new(), cached)
+                    .fetch_one(ex));
             <(i64, Option<i64>, i64)>::from_row(&row)
         }
     };

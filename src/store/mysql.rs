@@ -476,7 +476,7 @@ fn with_lock_wait(secs: u64, sql: &str) -> String {
 
 /// A lease or operator statement: its values are literals (`DIALECT`
 /// binds none), sent as written.
-pub(super) fn stmt(sql: String, args: Args) -> sqlx::RawSql {
+pub(super) fn stmt(sql: String, args: Args, _cached: bool) -> sqlx::RawSql {
     debug_assert!(args.is_empty(), "MySQL's dialect binds nothing");
     sqlx::raw_sql(AssertSqlSafe(sql))
 }

@@ -377,7 +377,9 @@ impl Backend for Postgres {
              SELECT max(expires_at), txid_current() FROM done",
             DIALECT.write(&mut a, scope, fence, write)
         );
-        let written = stmt(sql, a).fetch_one(&mut *tx).await;
+        let written = stmt(sql, a, super::caches_statements(pool))
+            .fetch_one(&mut *tx)
+            .await;
         let (expires_at, xid) = match written.and_then(|row| <(Option<i64>, i64)>::from_row(&row)) {
             Ok((Some(expires_at), xid)) => (expires_at, xid),
             Ok((None, _)) => {
@@ -526,14 +528,18 @@ pub(super) const DIALECT: Dialect = Dialect {
     parks: "parks::INT8",
 };
 
-/// A lease or operator statement with its values bound: prepared unnamed
-/// (a lease statement's text carries its generation and times, so caching
-/// it would only churn the pool's statement cache; PgBouncer in
-/// transaction mode needs nothing), its results read in binary. Nothing
-/// of a request is ever part of its text.
-pub(super) fn stmt(sql: String, args: Args) -> sqlx::query::Query<'static, Postgres, PgArguments> {
+/// A lease or operator statement with its values bound, its results read
+/// in binary; named and kept in the pool's statement cache as `cached`
+/// says (`caches_statements`: off for PgBouncer before 1.21, where it runs
+/// unnamed, in a transaction of its own when outside one: see
+/// `on_ledger!`). Nothing of a request is ever part of its text.
+pub(super) fn stmt(
+    sql: String,
+    args: Args,
+    cached: bool,
+) -> sqlx::query::Query<'static, Postgres, PgArguments> {
     args.into_iter().fold(
-        sqlx::query(AssertSqlSafe(sql)).persistent(false),
+        sqlx::query(AssertSqlSafe(sql)).persistent(cached),
         |q, arg| match arg {
             Arg::Text(v) => q.bind(v),
             Arg::Bytes(v) => q.bind(v),
@@ -541,10 +547,12 @@ pub(super) fn stmt(sql: String, args: Args) -> sqlx::query::Query<'static, Postg
     )
 }
 
-/// Runs one lease statement on the pool (in the implicit transaction of
-/// its own round trip); the rows it changed.
+/// Runs one lease statement on the pool (where the pool keeps no
+/// statement cache, in a transaction of its own); the rows it changed.
 async fn execute(pool: &Pool<Postgres>, sql: String, args: Args) -> Result<u64, sqlx::Error> {
-    Ok(stmt(sql, args).execute(pool).await?.rows_affected())
+    let done = super::on_ledger!(Postgres, pool, |ex, cached| stmt(sql, args, cached)
+        .execute(ex));
+    Ok(done.rows_affected())
 }
 
 /// A condition that bounds the lock waits of the statement whose `WHERE`

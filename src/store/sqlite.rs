@@ -290,7 +290,7 @@ pub(super) const DIALECT: Dialect = Dialect {
 
 /// A lease or operator statement: its values are literals (`DIALECT`
 /// binds none), sent as written.
-pub(super) fn stmt(sql: String, args: Args) -> sqlx::RawSql {
+pub(super) fn stmt(sql: String, args: Args, _cached: bool) -> sqlx::RawSql {
     debug_assert!(args.is_empty(), "SQLite's dialect binds nothing");
     sqlx::raw_sql(AssertSqlSafe(sql))
 }
