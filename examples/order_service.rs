@@ -35,7 +35,8 @@
 //!
 //! Other routes: `PUT /stock/{sku}` `{"qty":N}` sets stock (idempotent by
 //! nature, no key); `GET /stock/{sku}`; `GET /orders/{id}` (owner only, else
-//! 404); `GET /health`.
+//! 404); `GET /idempotency-keys?operation=create-order` with the key in
+//! `Idempotency-Key`: where the caller's own key stands; `GET /health`.
 
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -543,9 +544,13 @@ fn router<DB: OrderDb>(
         .with_normalizer(Normalizer::custom(normalize_order))
         .with_retention(Duration::from_secs(24 * 3600))?
         .with_resource_link(|id| format!("/orders/{id}"));
+    // "Did my key land?": the same layer's keys, behind the same
+    // authentication (`GET /idempotency-keys?operation=create-order`).
+    let key_status = idempotency.key_status();
     let orders = Router::new()
         .route("/orders", post(create_order::<DB>).layer(idempotency))
         .route("/orders/{id}", get(get_order::<DB>))
+        .route_service("/idempotency-keys", axum::routing::any_service(key_status))
         .layer(middleware::from_fn(authenticate));
     Ok(Router::new()
         .merge(orders)

@@ -1,4 +1,4 @@
-//! The README's "Testing your own handlers" example, kept compiling and
+//! The "Testing your own handlers" example of `docs/testing.md`, kept compiling and
 //! passing: a handler behind the layer, tested with `oneshot` on in-memory
 //! SQLite.
 

@@ -35,7 +35,7 @@
 //! index without giving up heap-only completions (every column a
 //! completion writes is one such an index would name), so the listing
 //! reads the table once. [`status`](Ledger::status) counts by one scan of
-//! the table. See the README for timings on a million rows.
+//! the table. See `docs/operating.md` for timings on a million rows.
 //!
 //! # Example
 //!
