@@ -45,6 +45,9 @@ pub(crate) struct Config {
     /// [`caches_statements`](crate::store::caches_statements)).
     pub(crate) cached_statements: bool,
     pub(crate) max_waiting: usize,
+    /// How many pooled connections one principal's requests may hold.
+    pub(crate) max_per_principal: usize,
+    pub(crate) principal_slots: Arc<crate::fairness::PrincipalSlots>,
     pub(crate) waiters: Arc<tokio::sync::Semaphore>,
     pub(crate) lease: Option<LeaseMode>,
     /// Chooses a request's retention and limits (`with_policy`).
@@ -83,6 +86,7 @@ impl std::fmt::Debug for Config {
             .field("read_first", &self.read_first)
             .field("isolation", &self.isolation)
             .field("max_waiting", &self.max_waiting)
+            .field("max_per_principal", &self.max_per_principal)
             .field("lease", &self.lease)
             .field("policy", &self.policy.is_some())
             .finish_non_exhaustive()

@@ -11,6 +11,7 @@ use tower_layer::Layer;
 use crate::config::{Config, MAX_WAIT};
 use crate::config_error::{ConfigError, at_most, nonzero};
 use crate::expiry::DEFAULT_RETENTION;
+use crate::fairness::PrincipalSlots;
 use crate::fingerprint::Normalizer;
 use crate::key::KeyMode;
 use crate::lease::LeaseMode;
@@ -52,7 +53,14 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// A layer that keeps its ledger in `pool`'s database. Create the ledger
     /// table first with [`migrate`](crate::migrate).
     pub fn new(pool: Pool<DB>) -> Self {
-        let max_waiting = default_max_waiting(pool.options().get_max_connections());
+        let max_connections = pool.options().get_max_connections();
+        let max_waiting = default_max_waiting(max_connections);
+        // All but a quarter of the pool (kept for other principals), at
+        // least one.
+        let max_per_principal = usize::try_from(max_connections)
+            .unwrap_or(1)
+            .saturating_sub(max_waiting)
+            .max(1);
         let cached_statements = crate::store::caches_statements(&pool);
         Self {
             pool,
@@ -83,6 +91,8 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 cached_statements,
                 max_waiting,
                 waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
+                max_per_principal,
+                principal_slots: Arc::new(PrincipalSlots::new(max_per_principal)),
                 lease: None,
                 policy: None,
             },
@@ -347,6 +357,25 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     pub fn with_max_waiting(mut self, connections: usize) -> Result<Self, ConfigError> {
         self.config.max_waiting = nonzero(connections, "max_waiting")?;
         self.config.waiters = Arc::new(tokio::sync::Semaphore::new(connections));
+        Ok(self)
+    }
+
+    /// How many pooled connections one principal's guarded requests may
+    /// hold at once: the claim, and the handler's transaction after it.
+    /// Fairness between tenants: one principal's storm (many keys at
+    /// once, a flood of retries) waits for its own slots, within the
+    /// request's in-flight wait, and then gets `503` (`#store-busy`, with
+    /// `Retry-After`), while other principals find the rest of the pool.
+    /// Duplicates waiting for a request of theirs running in this process
+    /// hold no connection and no slot; the bound is per layer (per
+    /// process). The default keeps a quarter of the pool's
+    /// `max_connections` from any one principal (all but
+    /// [`with_max_waiting`](Self::with_max_waiting)'s default, at least
+    /// 1); a single-tenant service that wants the whole pool for its one
+    /// principal sets the pool's size.
+    pub fn with_max_per_principal(mut self, connections: usize) -> Result<Self, ConfigError> {
+        self.config.max_per_principal = nonzero(connections, "max_per_principal")?;
+        self.config.principal_slots = Arc::new(PrincipalSlots::new(connections));
         Ok(self)
     }
 

@@ -239,6 +239,17 @@
 //! from an AIP-155 `request_id` field: the `protobuf` module (feature
 //! `grpc`). `examples/grpc_order_service.rs` and its client show the whole.
 //!
+//! # Tenants
+//!
+//! [`IdempotencyLayer::with_policy`] chooses retention and limits per
+//! request (per tenant, per route) before the claim; each record keeps its
+//! own expiry. [`IdempotencyLayer::with_max_per_principal`] bounds the
+//! pooled connections one principal's requests hold, so one tenant's storm
+//! leaves the rest of the pool to the others.
+//! [`IdempotencyLayer::with_fingerprint_headers`] makes chosen headers
+//! (an API version) part of "the same request". [`keys`] answers a caller
+//! that lost its request body where its own key stands.
+//!
 //! # The other halves
 //!
 //! - **Message consumers**: [`consumer::Consumer`] runs an at-least-once
@@ -267,6 +278,7 @@ mod config;
 mod config_error;
 pub mod consumer;
 mod expiry;
+mod fairness;
 mod fingerprint;
 mod grpc;
 mod key;
