@@ -1,9 +1,10 @@
 //! Fairness between tenants: the latency of one principal's first
 //! executions alone, then while another principal storms the same layer
 //! (40 keys at a time, each sent five times at once, every handler holding
-//! its transaction for 500 ms), on PostgreSQL in process. Prints both
-//! tenants' answers and the calm tenant's p50 and p99 with and without the
-//! storm, measured in the same run.
+//! its transaction for 500 ms), on PostgreSQL in process: with the layer's
+//! default share per principal, and with none. Prints both tenants'
+//! answers and the calm tenant's p50 and p99 alone and during each storm,
+//! measured in the same run.
 //!
 //! `cargo bench --bench fairness` (needs PostgreSQL as for the tests).
 
@@ -53,14 +54,15 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
-    let h = Harness::<sqlx::Postgres>::new().await;
-    let app = h.app();
-    // Warm the pool and the statement caches.
-    let _ = calm(&app, "warm").await;
-    let (alone, alone_statuses) = calm(&app, "alone").await;
-
+/// The calm tenant during a storm on `app`, and the storm's own answers.
+async fn during_storm(
+    app: &axum::Router,
+    tag: &'static str,
+) -> (
+    Vec<Duration>,
+    std::collections::BTreeMap<u16, usize>,
+    std::collections::BTreeMap<u16, usize>,
+) {
     let storming = Arc::new(AtomicBool::new(true));
     let storm = {
         let app = app.clone();
@@ -73,7 +75,7 @@ async fn main() {
                 for k in 0..40 {
                     for _ in 0..5 {
                         let app = app.clone();
-                        let key = format!("\"storm-{round}-{k}\"");
+                        let key = format!("\"storm-{tag}-{round}-{k}\"");
                         calls.push(tokio::spawn(async move {
                             let body = r#"{"amount":1,"items":[],"sleep_ms":500}"#;
                             send(&app, order(Some("user-storm"), Some(&key), body))
@@ -92,31 +94,59 @@ async fn main() {
         })
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (stormed, stormed_statuses) = calm(&app, "stormed").await;
+    let (latencies, statuses) = calm(app, tag).await;
     storming.store(false, Ordering::Relaxed);
-    let storm_statuses = storm.await.expect("no panic");
+    (latencies, statuses, storm.await.expect("no panic"))
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let h = Harness::<sqlx::Postgres>::new().await;
+    let app = h.app();
+    // No bound: one principal may hold the whole pool.
+    let unbounded = h.app_with(h.layer().with_max_per_principal(20).expect("a bound"));
+    // Warm the pool and the statement caches.
+    let _ = calm(&app, "warm").await;
+    let (alone, alone_statuses) = calm(&app, "alone").await;
+    let (stormed, stormed_statuses, storm_statuses) = during_storm(&app, "bounded").await;
+    let (free, free_statuses, free_storm) = during_storm(&unbounded, "unbounded").await;
 
     println!(
-        "Fairness between tenants (PostgreSQL, in process, pool of 20, the default share: three quarters of the pool per principal)"
+        "Fairness between tenants (PostgreSQL, in process, pool of 20; a storm: 40 keys x 5 copies at a time, handlers holding their transaction 500 ms)"
     );
     println!();
     println!(
-        "| calm tenant ({CALM} first executions, {CALM_CONCURRENCY} at a time) | p50 ms | p99 ms | statuses |"
+        "| calm tenant ({CALM} first executions, {CALM_CONCURRENCY} at a time) | p50 ms | p99 ms | its statuses | the storm's statuses |"
     );
-    println!("|---|---|---|---|");
-    for (what, lat, st) in [
-        ("alone", &alone, &alone_statuses),
-        ("during the storm", &stormed, &stormed_statuses),
+    println!("|---|---|---|---|---|");
+    let empty = std::collections::BTreeMap::new();
+    for (what, lat, st, storm) in [
+        ("alone", &alone, &alone_statuses, &empty),
+        (
+            "during the storm, default share (15 of 20)",
+            &stormed,
+            &stormed_statuses,
+            &storm_statuses,
+        ),
+        (
+            "during the storm, no share (20 of 20)",
+            &free,
+            &free_statuses,
+            &free_storm,
+        ),
     ] {
         println!(
-            "| {what} | {:.2} | {:.2} | {st:?} |",
+            "| {what} | {:.2} | {:.2} | {st:?} | {storm:?} |",
             percentile(lat, 0.5).as_secs_f64() * 1e3,
             percentile(lat, 0.99).as_secs_f64() * 1e3
         );
     }
     println!();
+    let ratio =
+        |l: &[Duration]| percentile(l, 0.99).as_secs_f64() / percentile(&alone, 0.99).as_secs_f64();
     println!(
-        "p99 with / without the storm: {:.2}; the storm's own answers: {storm_statuses:?}",
-        percentile(&stormed, 0.99).as_secs_f64() / percentile(&alone, 0.99).as_secs_f64()
+        "calm p99 with / without the storm: {:.2} with the default share, {:.2} with none",
+        ratio(&stormed),
+        ratio(&free)
     );
 }
