@@ -265,6 +265,15 @@
 //!   deadline, `Retry-After`, a shared budget). The key is sent as a
 //!   Structured Field String (`"…"`) so servers in either [`KeyMode`]
 //!   accept it.
+//!
+//! # Guides
+//!
+//! The repository's `docs/` holds a guide per topic: `choices.md` (what a
+//! payments engineer should know), `lease-mode.md`, `client.md`,
+//! `consumers.md`, `grpc.md`, `operating.md` (runbook, CLI, console),
+//! `ledger.md` (backends, the table, retention), `deployments.md`
+//! (PgBouncer, failover, Galera), `performance.md`, `testing.md` and
+//! `upgrading.md`; the README links them all.
 
 #![deny(unreachable_pub, unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
