@@ -229,3 +229,86 @@ async fn a_waiter_that_wins_keeps_the_scope_through_a_final_error() {
     );
     assert_eq!(h.ledger_with("FAILED_FINAL").await, 1);
 }
+
+/// A lease write behind a row lock another session holds gives up after
+/// its bound (a `lock_timeout` inside the statement), as a lock timeout,
+/// and leaves the session's own `lock_timeout` as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_write_behind_a_held_row_waits_within_its_bound() {
+    use sqlx::Acquire;
+    use tower_idempotency::store::{
+        Backend, Claim, Fence, IsolationLevel, LeaseWrite, Scope, StoreErrorKind,
+    };
+    let (url, _drop) = orders_db().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    let scope = Scope {
+        principal: "user-42",
+        operation: "POST /pay",
+        key: "k-1",
+    };
+    let claim = Claim {
+        scope,
+        fingerprint: &[7; 32],
+        retention_ms: 60_000,
+        lock_wait: Duration::from_secs(1),
+        isolation: IsolationLevel::ReadCommitted,
+        cached_statements: true,
+    };
+    assert!(
+        sqlx::Postgres::lease_claim(&pool, &claim, 30_000, "c1")
+            .await
+            .unwrap()
+    );
+    // Another session holds the row.
+    let other = PgPool::connect(&url).await.unwrap();
+    let mut conn = other.acquire().await.unwrap();
+    let mut holder = conn.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency_records WHERE idem_key = 'k-1' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let fence = Fence {
+        generation: 1,
+        claim: Some("c1"),
+    };
+    let write = tokio::time::timeout(
+        Duration::from_secs(30),
+        sqlx::Postgres::lease_write(
+            &pool,
+            &scope,
+            fence,
+            &LeaseWrite::Renew { lease_ms: 30_000 },
+        ),
+    )
+    .await
+    .expect("the write ends by its own bound, not the test's");
+    let e = write.expect_err("the row stays held past the bound");
+    assert_eq!(
+        sqlx::Postgres::error_kind(&e),
+        StoreErrorKind::LockTimeout,
+        "{e}"
+    );
+    holder.rollback().await.unwrap();
+    // The pool's one connection ran the write: its session setting is
+    // the server's default still.
+    let after: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(after, "0");
+    // Once the row is free the same write goes through.
+    assert!(
+        sqlx::Postgres::lease_write(
+            &pool,
+            &scope,
+            fence,
+            &LeaseWrite::Renew { lease_ms: 30_000 }
+        )
+        .await
+        .unwrap()
+    );
+}
