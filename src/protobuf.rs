@@ -35,7 +35,7 @@
 use bytes::Bytes;
 use http::request::Parts;
 
-use crate::fingerprint::FingerprintError;
+use crate::fingerprint::{FingerprintError, Normalizer};
 
 /// The one message of a unary gRPC request body: the bytes its 5-byte
 /// prefix (not compressed, then the length) announces, and nothing after.
@@ -63,6 +63,22 @@ pub(crate) fn message(body: &[u8]) -> Result<&[u8], FingerprintError> {
 pub(crate) fn decode<M: prost::Message + Default>(body: &[u8]) -> Result<M, FingerprintError> {
     M::decode(message(body)?)
         .map_err(|e| FingerprintError::new(format!("the request message does not decode: {e}")))
+}
+
+impl Normalizer {
+    /// A unary gRPC request's message, decoded into `M` and hashed in
+    /// prost's encoding of it (feature `grpc`): two encodings of one value
+    /// (fields in another order, a default value sent or left out, unknown
+    /// fields) are one request. A body that is not one uncompressed message
+    /// decoding into `M` is refused with `INVALID_ARGUMENT` (`400` over
+    /// HTTP). What counts as the same request, and what to do with map
+    /// fields: see [`protobuf`](crate::protobuf).
+    pub fn protobuf<M>() -> Self
+    where
+        M: prost::Message + Default + 'static,
+    {
+        Self::custom(|_, body| Ok(decode::<M>(body)?.encode_to_vec()))
+    }
 }
 
 /// A key function for

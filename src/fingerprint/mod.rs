@@ -189,21 +189,6 @@ impl Normalizer {
         })
     }
 
-    /// A unary gRPC request's message, decoded into `M` and hashed in
-    /// prost's encoding of it (feature `grpc`): two encodings of one value
-    /// (fields in another order, a default value sent or left out, unknown
-    /// fields) are one request. A body that is not one uncompressed message
-    /// decoding into `M` is refused with `INVALID_ARGUMENT` (`400` over
-    /// HTTP). What counts as the same request, and what to do with map
-    /// fields: see [`protobuf`](crate::protobuf).
-    #[cfg(feature = "grpc")]
-    pub fn protobuf<M>() -> Self
-    where
-        M: prost::Message + Default + 'static,
-    {
-        Self::custom(|_, body| Ok(crate::protobuf::decode::<M>(body)?.encode_to_vec()))
-    }
-
     /// A function of the request head and body that returns the bytes to
     /// hash. The method and path are hashed in addition to what it returns.
     pub fn custom<F>(f: F) -> Self
