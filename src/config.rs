@@ -45,8 +45,8 @@ pub(crate) struct Config {
     /// [`caches_statements`](crate::store::caches_statements)).
     pub(crate) cached_statements: bool,
     pub(crate) max_waiting: usize,
-    /// How many pooled connections one principal's requests may hold.
-    pub(crate) max_per_principal: usize,
+    /// How many pooled connections each principal's requests may hold,
+    /// and the slots they hold now.
     pub(crate) principal_slots: Arc<crate::fairness::PrincipalSlots>,
     pub(crate) waiters: Arc<tokio::sync::Semaphore>,
     pub(crate) lease: Option<LeaseMode>,
@@ -86,7 +86,7 @@ impl std::fmt::Debug for Config {
             .field("read_first", &self.read_first)
             .field("isolation", &self.isolation)
             .field("max_waiting", &self.max_waiting)
-            .field("max_per_principal", &self.max_per_principal)
+            .field("max_per_principal", &self.principal_slots.per_principal())
             .field("lease", &self.lease)
             .field("policy", &self.policy.is_some())
             .finish_non_exhaustive()

@@ -36,6 +36,11 @@ impl PrincipalSlots {
         }
     }
 
+    /// How many slots each principal has.
+    pub(crate) fn per_principal(&self) -> usize {
+        self.per_principal
+    }
+
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Arc<Semaphore>>> {
         // The map holds no invariant a panic could break.
         self.active.lock().unwrap_or_else(|e| e.into_inner())

@@ -69,8 +69,8 @@ use crate::config::Config;
 use crate::expiry::{http_date, is_expired};
 use crate::key::IdempotencyKey;
 use crate::problem::{Problem, ProblemKind};
-use crate::replay::StoredResponse;
-use crate::scope::{bounded, hashed, http_operation};
+use crate::scope::{bounded, http_operation, stored_key};
+use crate::service::store_problem;
 use crate::store::{Backend, Claim, ClaimOutcome, Record, RecordStatus, Scope, StoreErrorKind};
 
 /// How long telling `not_found` from `in_flight` may wait for the store.
@@ -142,18 +142,11 @@ impl<DB: Backend> KeyStatus<DB> {
             ));
         };
         let Some(principal) = (cfg.principal)(parts) else {
-            return Err(Problem::new(
-                ProblemKind::MissingPrincipal,
-                "the request carries no authenticated principal to scope its Idempotency-Key",
-            ));
+            return Err(Problem::missing_principal());
         };
         let principal = bounded(principal.as_str());
         let stored_operation = http_operation(&operation);
-        let stored_key = if cfg.hash_keys {
-            hashed(key.as_str())
-        } else {
-            std::borrow::Cow::Borrowed(key.as_str())
-        };
+        let stored_key = stored_key(key.as_str(), cfg.hash_keys);
         let scope = Scope {
             principal: &principal,
             operation: &stored_operation,
@@ -161,11 +154,7 @@ impl<DB: Backend> KeyStatus<DB> {
         };
         let unavailable = |e: sqlx::Error| {
             tracing::warn!(error = %e, "key status: the store could not be read");
-            Problem::new(
-                ProblemKind::StoreUnavailable,
-                "the idempotency store could not be read; ask again",
-            )
-            .retry_after(1)
+            store_problem::<DB>(&e)
         };
         let found = match DB::fetch(&self.pool, &scope).await.map_err(unavailable)? {
             Some(record) => Found::Record(Box::new(record)),
@@ -180,18 +169,14 @@ impl<DB: Backend> KeyStatus<DB> {
                 doc["status"] = json!("not_found");
                 return Ok(json_response(StatusCode::OK, &doc));
             }
-            Found::Held => None,
-            Found::Record(record) => Some(record),
+            Found::Held => return Ok(self.in_flight(doc)),
+            Found::Record(record) => record,
         };
-        let status = record.as_deref().map_or("in_flight", standing);
+        let status = standing(&record);
+        if status == "in_flight" {
+            return Ok(self.in_flight(doc));
+        }
         doc["status"] = json!(status);
-        let Some(record) = record.filter(|_| status != "in_flight") else {
-            let mut res = json_response(StatusCode::OK, &doc);
-            let secs = cfg.in_flight_wait.as_secs().max(1);
-            res.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-            return Ok(res);
-        };
         if let Some(s) = record.response_status {
             doc["response_status"] = json!(s);
         }
@@ -201,15 +186,20 @@ impl<DB: Backend> KeyStatus<DB> {
         if matches!(status, "succeeded" | "failed") {
             doc["expires"] = json!(http_date(record.expires_at));
             if want_answer && let Some(s) = record.response_status {
-                let stored = StoredResponse {
-                    status: u16::try_from(s).unwrap_or(500),
-                    headers: record.response_headers.clone().unwrap_or_default(),
-                    body: Bytes::from(record.response_body.clone().unwrap_or_default()),
-                };
-                return Ok(stored.to_response(true));
+                return Ok(record.stored_response(s).to_response(true));
             }
         }
         Ok(json_response(StatusCode::OK, &doc))
+    }
+
+    /// `doc` for a key a running request holds, with when to ask again.
+    fn in_flight(&self, mut doc: serde_json::Value) -> Response<Bytes> {
+        doc["status"] = json!("in_flight");
+        let mut res = json_response(StatusCode::OK, &doc);
+        let secs = self.config.in_flight_wait.as_secs().max(1);
+        res.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        res
     }
 
     /// No committed record: does a running request hold the scope? The

@@ -91,7 +91,6 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 cached_statements,
                 max_waiting,
                 waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
-                max_per_principal,
                 principal_slots: Arc::new(PrincipalSlots::new(max_per_principal)),
                 lease: None,
                 policy: None,
@@ -374,7 +373,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// 1); a single-tenant service that wants the whole pool for its one
     /// principal sets the pool's size.
     pub fn with_max_per_principal(mut self, connections: usize) -> Result<Self, ConfigError> {
-        self.config.max_per_principal = nonzero(connections, "max_per_principal")?;
+        let connections = nonzero(connections, "max_per_principal")?;
         self.config.principal_slots = Arc::new(PrincipalSlots::new(connections));
         Ok(self)
     }

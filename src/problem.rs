@@ -191,6 +191,14 @@ pub(crate) struct Problem {
 pub(crate) const RECONCILING_RETRY: u64 = 30;
 
 impl Problem {
+    /// The answer for a guarded request without an authenticated principal.
+    pub(crate) fn missing_principal() -> Self {
+        Self::new(
+            ProblemKind::MissingPrincipal,
+            "the request carries no authenticated principal to scope its Idempotency-Key",
+        )
+    }
+
     /// The answer for a key whose record is parked.
     pub(crate) fn reconciling() -> Self {
         let detail = "the outcome of the first request with this Idempotency-Key is unknown; it is not executed again until it has been reconciled. Retry later with the same key";

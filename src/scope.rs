@@ -113,6 +113,16 @@ pub(crate) fn http_operation(name: &str) -> Cow<'_, str> {
     }
 }
 
+/// The stored form of a key: as sent, or its [`hashed`] form when the
+/// layer hashes keys (`with_hashed_keys`). Keys are at most 255 bytes.
+pub(crate) fn stored_key(key: &str, hash_keys: bool) -> Cow<'_, str> {
+    if hash_keys {
+        hashed(key)
+    } else {
+        Cow::Borrowed(key)
+    }
+}
+
 /// `sha256:<hex>` of the value: distinct values stay distinct, and the
 /// value itself is not stored.
 pub(crate) fn hashed(value: &str) -> Cow<'static, str> {

@@ -4,15 +4,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-
 use super::{
     Answer, IdempotencyOutcome, Identity, Run, add_expiry, refusal, store_problem, within,
 };
 use crate::expiry::{is_expired, retention_ms};
 
 use crate::problem::{Problem, ProblemKind};
-use crate::replay::StoredResponse;
 use crate::store::{
     Backend, Claim, ClaimOutcome, Claimed as ClaimedTx, Record, RecordStatus, StoreErrorKind,
     spawn_claim,
@@ -225,12 +222,9 @@ impl<DB: Backend> Run<DB> {
         }
         match (record.status, record.response_status) {
             (RecordStatus::Succeeded | RecordStatus::FailedFinal, Some(status)) => {
-                let stored = StoredResponse {
-                    status: u16::try_from(status).unwrap_or(500),
-                    headers: record.response_headers.clone().unwrap_or_default(),
-                    body: Bytes::from(record.response_body.clone().unwrap_or_default()),
-                };
-                let mut res = stored.to_response(self.config.replayed_header);
+                let mut res = record
+                    .stored_response(status)
+                    .to_response(self.config.replayed_header);
                 add_expiry(res.headers_mut(), record.expires_at);
                 (res, IdempotencyOutcome::Replayed)
             }

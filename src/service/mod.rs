@@ -32,7 +32,7 @@ use crate::local::Local;
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::{StoredResponse, Trailers};
-use crate::scope::{bounded, default_operation, hashed, http_operation};
+use crate::scope::{bounded, default_operation, http_operation, stored_key};
 use crate::store::{Backend, Scope, StoreErrorKind};
 
 mod claim;
@@ -216,6 +216,18 @@ fn key_of(
     }
 }
 
+/// A request that goes to the handler unprotected (no key, keys optional).
+async fn unguarded<S, ReqBody, ResBody>(
+    mut inner: S,
+    req: Request<IdempotencyBody<ReqBody>>,
+) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
+where
+    S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>,
+{
+    let res = inner.call(req).await?;
+    Ok(streamed(res, IdempotencyOutcome::Unguarded))
+}
+
 fn refuse<B>(problem: Problem, attempts: u32) -> Response<IdempotencyBody<B>> {
     let (res, outcome) = refusal(problem, attempts);
     buffered(res, outcome)
@@ -250,11 +262,12 @@ impl<DB: Backend> Run<DB> {
         ResBody::Error: Into<BoxError>,
     {
         let (parts, body) = req.into_parts();
-        if let Some(policy) = &self.config.policy {
-            let principal = (self.config.principal)(&parts);
-            if let Some(config) = policy(&parts, principal.as_ref()).applied_to(&self.config) {
-                self.config = Arc::new(config);
-            }
+        // Read once: the policy sees it, and a guarded request needs it.
+        let principal = (self.config.principal)(&parts);
+        if let Some(policy) = &self.config.policy
+            && let Some(config) = policy(&parts, principal.as_ref()).applied_to(&self.config)
+        {
+            self.config = Arc::new(config);
         }
         let cfg = &self.config;
         let header_key = match IdempotencyKey::from_headers(&parts.headers, cfg.key_mode) {
@@ -270,18 +283,11 @@ impl<DB: Backend> Run<DB> {
             if cfg.key_required {
                 return Ok(refuse(missing_key(&parts), 0));
             }
-            let mut inner = inner;
             let req = Request::from_parts(parts, IdempotencyBody::streaming(body));
-            let res = inner.call(req).await?;
-            return Ok(streamed(res, IdempotencyOutcome::Unguarded));
+            return unguarded(inner, req).await;
         }
-        let Some(principal) = (cfg.principal)(&parts) else {
-            let detail =
-                "the request carries no authenticated principal to scope its Idempotency-Key";
-            return Ok(refuse(
-                Problem::new(ProblemKind::MissingPrincipal, detail),
-                0,
-            ));
+        let Some(principal) = principal else {
+            return Ok(refuse(Problem::missing_principal(), 0));
         };
         let body = match read_body(&parts.headers, body, cfg.max_request_body).await {
             Ok(body) => body,
@@ -291,10 +297,8 @@ impl<DB: Backend> Run<DB> {
             Ok(Some(key)) => key,
             Ok(None) if cfg.key_required => return Ok(refuse(missing_key(&parts), 0)),
             Ok(None) => {
-                let mut inner = inner;
                 let req = Request::from_parts(parts, IdempotencyBody::buffered(body));
-                let res = inner.call(req).await?;
-                return Ok(streamed(res, IdempotencyOutcome::Unguarded));
+                return unguarded(inner, req).await;
             }
             Err(problem) => return Ok(refuse(problem, 0)),
         };
@@ -319,11 +323,7 @@ impl<DB: Backend> Run<DB> {
         let lease_mode = cfg.lease;
         let principal = bounded(principal.as_str());
         let operation = http_operation(&operation);
-        let key = if cfg.hash_keys {
-            hashed(key.as_str())
-        } else {
-            std::borrow::Cow::Borrowed(key.as_str())
-        };
+        let key = stored_key(key.as_str(), cfg.hash_keys);
         let id = Identity {
             scope: Scope {
                 principal: &principal,
@@ -397,7 +397,7 @@ fn add_expiry(headers: &mut HeaderMap, expires_at: i64) {
 }
 
 /// A store error before anything was committed: nothing took effect, retry.
-fn store_problem<DB: Backend>(e: &sqlx::Error) -> Problem {
+pub(crate) fn store_problem<DB: Backend>(e: &sqlx::Error) -> Problem {
     let (kind, detail) = match DB::error_kind(e) {
         StoreErrorKind::Busy => (
             ProblemKind::StoreBusy,

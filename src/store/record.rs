@@ -76,6 +76,18 @@ pub struct Record {
     pub lease: Option<LeaseState>,
 }
 
+impl Record {
+    /// The answer this committed record holds, `status` being its
+    /// recorded response status.
+    pub(crate) fn stored_response(&self, status: i32) -> crate::replay::StoredResponse {
+        crate::replay::StoredResponse {
+            status: u16::try_from(status).unwrap_or(500),
+            headers: self.response_headers.clone().unwrap_or_default(),
+            body: bytes::Bytes::from(self.response_body.clone().unwrap_or_default()),
+        }
+    }
+}
+
 /// Where a lease-mode row stands (see [`lease`](crate::lease)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseState {
