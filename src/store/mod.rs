@@ -434,23 +434,57 @@ pub(crate) struct Migration {
     pub(crate) sql: &'static str,
 }
 
-/// Takes the savepoint, right after the claim, that final business errors
-/// roll back to.
-pub(crate) const TAKE_SAVEPOINT: &str = "SAVEPOINT tower_idempotency_claimed";
+/// The claim's savepoint, the one final business errors roll back to.
+///
+/// Its name is drawn once per process (`tower_idempotency_` and 16 random
+/// hex digits), so no savepoint a handler takes on the claimed transaction,
+/// whatever it calls it, can be the one the layer rolls back to: a
+/// `ROLLBACK TO` reaches the most recent savepoint of a name, and a
+/// handler's `SAVEPOINT tower_idempotency_claimed` (a name it could guess)
+/// would otherwise keep the business writes made before it.
+pub(crate) struct Savepoint {
+    /// Takes the savepoint, right after the claim.
+    pub(crate) take: String,
+    /// Rolls back to it; fails when the claimed transaction is gone
+    /// ([`StoreErrorKind::TransactionEnded`]).
+    pub(crate) undo: String,
+    /// Releases it and takes it again (what the claim holds moves to the
+    /// transaction).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) retake: String,
+    /// Opens the recording of a final failure: the business writes are
+    /// undone, then the savepoint is released.
+    undo_and_release: String,
+    /// Opens any other recording: releasing the savepoint proves the
+    /// claimed transaction is still ours (it fails,
+    /// [`StoreErrorKind::TransactionEnded`], when the handler ended it).
+    release: String,
+}
 
-/// Rolls back to the claim's savepoint; fails when the claimed transaction
-/// is gone ([`StoreErrorKind::TransactionEnded`]).
-pub(crate) const UNDO_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT tower_idempotency_claimed";
+impl Savepoint {
+    /// This process's claim savepoint.
+    pub(crate) fn get() -> &'static Self {
+        static SAVEPOINT: std::sync::OnceLock<Savepoint> = std::sync::OnceLock::new();
+        SAVEPOINT.get_or_init(|| {
+            let name = format!("tower_idempotency_{:016x}", crate::random::random_u64());
+            Self {
+                take: format!("SAVEPOINT {name}"),
+                undo: format!("ROLLBACK TO SAVEPOINT {name}"),
+                retake: format!("RELEASE SAVEPOINT {name}; SAVEPOINT {name}"),
+                undo_and_release: format!("ROLLBACK TO SAVEPOINT {name}; RELEASE SAVEPOINT {name}"),
+                release: format!("RELEASE SAVEPOINT {name}"),
+            }
+        })
+    }
 
-/// What opens a recording: for a final failure the business writes are
-/// undone first; then releasing the savepoint proves the claimed
-/// transaction is still ours (it fails, [`StoreErrorKind::TransactionEnded`],
-/// when the handler ended it).
-pub(crate) fn release_savepoint(status: RecordStatus) -> &'static str {
-    if status == RecordStatus::FailedFinal {
-        "ROLLBACK TO SAVEPOINT tower_idempotency_claimed; RELEASE SAVEPOINT tower_idempotency_claimed"
-    } else {
-        "RELEASE SAVEPOINT tower_idempotency_claimed"
+    /// What opens the recording of an answer of `status`.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
+    pub(crate) fn release(&self, status: RecordStatus) -> &str {
+        if status == RecordStatus::FailedFinal {
+            &self.undo_and_release
+        } else {
+            &self.release
+        }
     }
 }
 

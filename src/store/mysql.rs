@@ -12,8 +12,8 @@ use super::lease::{Args, Dialect, x_literal};
 use super::literal::hex;
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, RecordStatus, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
-    generic_error_kind, migrations, release_savepoint, run_migrations, shared_statements,
+    LeaseWrite, Migration, RecordStatus, Savepoint, Scope, StoreErrorKind, generic_error_kind,
+    migrations, run_migrations, shared_statements,
 };
 
 /// Ends a claimed transaction that is not committed: rolls it back (or
@@ -125,12 +125,13 @@ impl Backend for MySql {
              INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
              VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); \
-             {TAKE_SAVEPOINT}",
+             {}",
             hex(claim.scope.principal.as_bytes()),
             hex(claim.scope.operation.as_bytes()),
             hex(claim.scope.key.as_bytes()),
             hex(claim.fingerprint),
             claim.retention_ms,
+            Savepoint::get().take,
             isolation = claim.isolation.as_sql(),
             now = now_ms!(),
         );
@@ -185,7 +186,7 @@ impl Backend for MySql {
         // transaction and does nothing), or the connection closed. A
         // connection lost during the COMMIT is left to the layer's re-read
         // of the ledger (`FinishError::Store`).
-        let release = release_savepoint(c.status);
+        let release = Savepoint::get().release(c.status);
         let resource = c.resource_id.map_or_else(
             || "NULL".to_string(),
             |id| format!("CONVERT(X'{}' USING utf8mb4)", hex(id.as_bytes())),
@@ -224,7 +225,7 @@ impl Backend for MySql {
     }
 
     async fn check_savepoint(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(UNDO_TO_SAVEPOINT)
+        sqlx::raw_sql(Savepoint::get().undo.as_str())
             .execute(conn)
             .await
             .map(drop)
@@ -328,8 +329,9 @@ impl Backend for MySql {
         // ended commits nothing, its recovery point included.
         let begin = format!(
             "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION; \
-             {TAKE_SAVEPOINT}",
-            isolation.as_sql()
+             {}",
+            isolation.as_sql(),
+            Savepoint::get().take,
         );
         let conn = pool.acquire().await?;
         match Claimed::begin(conn, AssertSqlSafe(begin).into_sql_str(), end_claim).await {
@@ -356,7 +358,7 @@ impl Backend for MySql {
             let sql = format!(
                 "{}; {}",
                 // A phase keeps all its writes, as a success does.
-                release_savepoint(RecordStatus::Succeeded),
+                Savepoint::get().release(RecordStatus::Succeeded),
                 with_lock_wait(
                     LEASE_LOCK_WAIT_SECS,
                     &DIALECT.write(&mut Vec::new(), scope, fence, write)

@@ -10,9 +10,8 @@ use super::claimed::rollback;
 use super::lease::{Arg, Args, Dialect, numbered};
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, Record, RecordStatus, Scope, StoreErrorKind, TAKE_SAVEPOINT,
-    UNDO_TO_SAVEPOINT, generic_error_kind, migrations, record_from_row, run_migrations,
-    shared_statements,
+    LeaseWrite, Migration, Record, RecordStatus, Savepoint, Scope, StoreErrorKind,
+    generic_error_kind, migrations, record_from_row, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds (the transaction's start time).
@@ -45,11 +44,6 @@ const CLAIM_READ: &str = "SELECT txid_current_if_assigned(), r.status, r.request
      FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
      LEFT JOIN idempotency_records r \
      ON r.principal_id = $1 AND r.operation = $2 AND r.idem_key = $3";
-
-/// Moves what the claim's savepoint holds (the scope's lock, once waited
-/// for) to the transaction, and takes the savepoint again.
-const RETAKE_SAVEPOINT: &str =
-    "RELEASE SAVEPOINT tower_idempotency_claimed; SAVEPOINT tower_idempotency_claimed";
 
 /// Waits for the scope's lock within a bound (ledger v8's function).
 const WAIT: &str = "SELECT tower_idempotency_wait($1, $2, $3)";
@@ -100,8 +94,9 @@ impl Backend for Postgres {
         let (k1, k2) = scope_lock(&claim.scope);
         let begin = format!(
             "BEGIN ISOLATION LEVEL {}; \
-             SELECT txid_current() WHERE pg_try_advisory_xact_lock({k1}, {k2}); {TAKE_SAVEPOINT}",
+             SELECT txid_current() WHERE pg_try_advisory_xact_lock({k1}, {k2}); {}",
             claim.isolation.as_sql(),
+            Savepoint::get().take,
         );
         let begin = AssertSqlSafe(begin).into_sql_str();
         let mut tx = match Claimed::begin(conn, begin.clone(), rollback).await {
@@ -162,7 +157,7 @@ impl Backend for Postgres {
                     // so the holder's row would stay unseen: begin again,
                     // after it (the lock is then taken with the `BEGIN`).
                     let moved = if claim.isolation == IsolationLevel::ReadCommitted {
-                        sqlx::raw_sql(RETAKE_SAVEPOINT)
+                        sqlx::raw_sql(Savepoint::get().retake.as_str())
                             .execute(&mut *tx)
                             .await
                             .map(drop)
@@ -253,7 +248,7 @@ impl Backend for Postgres {
     }
 
     async fn check_savepoint(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(UNDO_TO_SAVEPOINT)
+        sqlx::raw_sql(Savepoint::get().undo.as_str())
             .execute(conn)
             .await
             .map(drop)

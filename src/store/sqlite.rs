@@ -8,8 +8,8 @@ use super::claimed::rollback;
 use super::lease::{Args, Dialect, commit_if_written, x_literal};
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, Scope, StoreErrorKind, TAKE_SAVEPOINT, UNDO_TO_SAVEPOINT,
-    generic_error_kind, migrations, release_savepoint, run_migrations, shared_statements,
+    LeaseWrite, Migration, Savepoint, Scope, StoreErrorKind, generic_error_kind, migrations,
+    run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
@@ -71,7 +71,10 @@ impl Backend for Sqlite {
         .await;
         match inserted {
             Ok(done) if done.rows_affected() == 1 => {
-                if let Err(e) = sqlx::raw_sql(TAKE_SAVEPOINT).execute(&mut *tx).await {
+                if let Err(e) = sqlx::raw_sql(Savepoint::get().take.as_str())
+                    .execute(&mut *tx)
+                    .await
+                {
                     tx.rollback().await;
                     return Err(e);
                 }
@@ -98,7 +101,7 @@ impl Backend for Sqlite {
         // An embedded database has no round trips to save: prove the
         // claimed transaction is still ours, record with parameters, commit.
         // No connection to lose: every error is a `FinishError::Store`.
-        if let Err(e) = sqlx::raw_sql(release_savepoint(c.status))
+        if let Err(e) = sqlx::raw_sql(Savepoint::get().release(c.status))
             .execute(&mut *tx)
             .await
         {
@@ -134,7 +137,10 @@ impl Backend for Sqlite {
     }
 
     async fn check_savepoint(conn: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
-        match sqlx::raw_sql(UNDO_TO_SAVEPOINT).execute(&mut *conn).await {
+        match sqlx::raw_sql(Savepoint::get().undo.as_str())
+            .execute(&mut *conn)
+            .await
+        {
             Ok(_) => Ok(()),
             Err(e) => Err(reopen_if_ended(conn, e).await),
         }

@@ -1311,6 +1311,29 @@ pub async fn nested_transactions_in_the_handler_are_savepoints<DB: ConformanceDb
     assert_eq!(h.ledger_with("SUCCEEDED").await, 3);
 }
 
+/// Issue 33, point 3: a handler that takes savepoints of its own (one
+/// named as the layer's savepoint once was, `tower_idempotency_claimed`)
+/// and then answers a final business error keeps none of its writes: the
+/// layer rolls back to its own savepoint, whose name no handler can know,
+/// and records `FAILED_FINAL` alone.
+pub async fn a_handlers_own_savepoints_never_keep_writes_of_a_final_error<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h.app();
+    let body = r#"{"amount":7,"mode":"own_savepoints_409"}"#;
+    let first = send(&app, order(ALICE, KEY, body)).await;
+    assert_eq!(first.status, StatusCode::CONFLICT, "{first:?}");
+    assert_eq!(h.orders().await, 0, "no business write of a final error");
+    assert_eq!(h.ledger_with("FAILED_FINAL").await, 1);
+    assert_eq!(h.ledger().await, 1);
+    let retry = send(&app, order(ALICE, KEY, body)).await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 0);
+}
+
 /// Issue 26, point 1: where claims run without autocommit (MySQL,
 /// MariaDB), a claimed transaction the server rolled back on its own (a
 /// deadlock victim) whose ledger re-read then fails proves nothing: the

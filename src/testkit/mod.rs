@@ -363,6 +363,23 @@ async fn create_order<DB: ConformanceDb>(
             )
                 .into_response();
         }
+        // Savepoints of the handler's own before a final business error,
+        // one under the name the layer's savepoint had before ledger v8's
+        // names were drawn per process.
+        "own_savepoints_409" => {
+            for sql in ["SAVEPOINT tower_idempotency_claimed", "SAVEPOINT step_1"] {
+                DB::exec_on(&mut conn, sql).await.unwrap();
+            }
+            DB::insert_order(&mut conn, "after-savepoints", 1)
+                .await
+                .unwrap();
+            return (
+                StatusCode::CONFLICT,
+                [("content-type", "application/problem+json")],
+                r#"{"type":"https://example.test/problems/out-of-stock","status":409}"#,
+            )
+                .into_response();
+        }
         "mark_retryable" => {
             return (
                 StatusCode::CONFLICT,
@@ -665,6 +682,7 @@ macro_rules! conformance_suite {
             busy_store_is_503_not_in_flight,
             handler_that_ends_the_transaction_is_held_for_reconciliation,
             nested_transactions_in_the_handler_are_savepoints,
+            a_handlers_own_savepoints_never_keep_writes_of_a_final_error,
             stricter_isolation_keeps_the_guarantees,
             migrations_upgrade_in_place_and_run_concurrently,
             dropped_futures_leave_a_clean_connection,
