@@ -272,3 +272,34 @@ async fn postgres_serialization_failure_at_commit_is_a_retryable_503() {
         .unwrap();
     assert_eq!(ledger, 1, "the conflicting request left no record");
 }
+
+/// Issue 33, point 1: a session whose statements take long between their
+/// snapshot and their first function call (here JIT compilation on every
+/// statement, `jit_above_cost = 0`, as a session may set) makes the race
+/// of a duplicate's `BEGIN` with the first request's `COMMIT` wide: at
+/// `REPEATABLE READ` and `SERIALIZABLE` the duplicate must still find the
+/// committed row and never run the handler again (before: it took the
+/// released lock on a snapshot from before the commit, and ran).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_stricter_isolation_sees_the_commit_it_waited_for() {
+    use tower_idempotency::testkit::{Harness, cases};
+    let h = Harness::<sqlx::Postgres>::new().await;
+    let options = (*h.pool.connect_options()).clone();
+    let slow_plans = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(20)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::raw_sql(
+                    "SET jit_above_cost = 0; SET jit_inline_above_cost = 0; \
+                     SET jit_optimize_above_cost = 0",
+                )
+                .execute(conn)
+                .await
+                .map(drop)
+            })
+        })
+        .connect_with(options)
+        .await
+        .unwrap();
+    cases::stricter_isolation_storms(h.with_pool(slow_plans), 3).await;
+}

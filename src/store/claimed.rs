@@ -109,17 +109,6 @@ impl<DB: Database> Claimed<DB> {
         Ok(())
     }
 
-    /// Commits, then begins again on the same connection with `sql`. On an
-    /// error the connection's state is not known: discard it.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) async fn begin_again(&mut self, sql: SqlStr) -> Result<(), sqlx::Error> {
-        let Some(conn) = self.conn.as_mut() else {
-            return Err(sqlx::Error::PoolClosed);
-        };
-        <DB::TransactionManager as TransactionManager>::commit(&mut **conn).await?;
-        <DB::TransactionManager as TransactionManager>::begin(&mut **conn, Some(sql)).await
-    }
-
     /// The backend ended the transaction in a batch of its own (a `COMMIT`
     /// riding with the recording): sqlx's count goes back to zero, its
     /// `ROLLBACK` of nothing queued for the connection's next use (sent
@@ -151,6 +140,24 @@ impl<DB: Database> Claimed<DB> {
             // the connection to the pool inside the transaction.
             let _ = tokio::spawn(end_within(conn, self.end)).await;
         }
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Claimed<sqlx::Postgres> {
+    /// Runs `sql`, a batch that ends the transaction and begins the next
+    /// one on the same connection (sqlx's count is one before and after),
+    /// in one round trip. A batch that fails or is dropped midway leaves
+    /// the connection in a state nobody can vouch for: on an error the
+    /// caller discards it, and a dropped future closes it.
+    pub(crate) async fn begin_again(&mut self, sql: SqlStr) -> Result<(), sqlx::Error> {
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(sqlx::Error::PoolClosed);
+        };
+        let guard = CloseOnCancel::new(conn);
+        sqlx::raw_sql(sql).execute(&mut **guard.0).await?;
+        guard.done();
+        Ok(())
     }
 }
 

@@ -93,13 +93,12 @@ impl Backend for Postgres {
         // wait).
         let (k1, k2) = scope_lock(&claim.scope);
         let begin = format!(
-            "BEGIN ISOLATION LEVEL {}; \
-             SELECT txid_current() WHERE pg_try_advisory_xact_lock({k1}, {k2}); {}",
-            claim.isolation.as_sql(),
-            Savepoint::get().take,
+            "{}; {}",
+            begin_locked(claim.isolation, k1, k2),
+            Savepoint::get().take
         );
         let begin = AssertSqlSafe(begin).into_sql_str();
-        let mut tx = match Claimed::begin(conn, begin.clone(), rollback).await {
+        let mut tx = match Claimed::begin(conn, begin, rollback).await {
             Ok(tx) => tx,
             Err((e, mut conn)) => {
                 // The batch may have left the server inside its `BEGIN`.
@@ -108,11 +107,26 @@ impl Backend for Postgres {
             }
         };
         // Round trip 2, prepared: the transaction's id (set only when the
-        // lock was taken in round trip 1, so this statement's snapshot,
-        // taken after it, sees every commit of the scope's earlier holder)
-        // and the scope's committed row. Lost to a committed row: that row.
-        // Not ours and no row: wait for the lock within the claim's bound,
-        // then read again.
+        // lock was taken in round trip 1) and the scope's committed row.
+        // Lost to a committed row: that row. Not ours and no row: wait for
+        // the lock within the claim's bound, then read again.
+        //
+        // At READ COMMITTED each read has a snapshot of its own, taken
+        // after the lock was: it sees every commit of the scope's earlier
+        // holder. Above it, the snapshot is the transaction's, taken when
+        // round trip 1's statement started, before its lock was tried (or
+        // before a wait): an earlier holder that committed in between holds
+        // a row this snapshot cannot see. Such a claim moves the lock into
+        // a new transaction whose snapshot is taken after it (`relock`, one
+        // round trip) and reads again.
+        let relock = AssertSqlSafe(format!(
+            "SELECT pg_advisory_lock({k1}, {k2}); COMMIT; {begin}; \
+             SELECT pg_advisory_unlock({k1}, {k2}); {}",
+            Savepoint::get().take,
+            begin = begin_locked(claim.isolation, k1, k2),
+        ))
+        .into_sql_str();
+        let mut fresh = claim.isolation == IsolationLevel::ReadCommitted;
         let mut waited = false;
         let outcome = loop {
             let read = claim_read(&mut tx, claim).await;
@@ -123,12 +137,15 @@ impl Backend for Postgres {
                     return Err(e);
                 }
             };
-            match (xid, record) {
+            let moved = match (xid, record) {
                 (_, Some(record)) => break ClaimOutcome::Lost(Some(Box::new(record))),
-                (Some(xid), None) => {
+                (Some(xid), None) if fresh => {
                     tx.xid = Some(xid);
                     return Ok(ClaimOutcome::Won(tx));
                 }
+                // Ours, on a snapshot that may precede the last holder's
+                // commit.
+                (Some(_), None) => tx.begin_again(relock.clone()).await,
                 (None, None) if waited => break ClaimOutcome::InFlight,
                 (None, None) => {
                     waited = true;
@@ -152,24 +169,24 @@ impl Backend for Postgres {
                     // rollback to it (a final business error) would let
                     // the next waiter in before the answer is recorded.
                     // Release the savepoint (the lock moves to the
-                    // transaction) and take it again. Above READ COMMITTED
-                    // the transaction's snapshot was taken before the wait,
-                    // so the holder's row would stay unseen: begin again,
-                    // after it (the lock is then taken with the `BEGIN`).
-                    let moved = if claim.isolation == IsolationLevel::ReadCommitted {
+                    // transaction) and take it again; above READ
+                    // COMMITTED, move it to a new transaction.
+                    if fresh {
                         sqlx::raw_sql(Savepoint::get().retake.as_str())
                             .execute(&mut *tx)
                             .await
                             .map(drop)
                     } else {
-                        tx.begin_again(begin.clone()).await
-                    };
-                    if let Err(e) = moved {
-                        tx.discard();
-                        return Err(e);
+                        tx.begin_again(relock.clone()).await
                     }
                 }
+            };
+            if let Err(e) = moved {
+                tx.discard();
+                return Err(e);
             }
+            // A transaction begun after the lock was ours.
+            fresh = true;
         };
         // Nothing was written: ending with COMMIT keeps the server's
         // rollback count for real failures.
@@ -470,6 +487,17 @@ pub(crate) fn scope_lock(scope: &Scope<'_>) -> (i32, i32) {
     let d = hash.finalize();
     let word = |i: usize| i32::from_be_bytes([d[i], d[i + 1], d[i + 2], d[i + 3]]);
     (word(0), word(4))
+}
+
+/// Begins a transaction at `isolation` that takes the scope's lock
+/// `(k1, k2)` if it is free (or already this session's), and only then gets
+/// its id: the id says whether the lock is the transaction's.
+fn begin_locked(isolation: IsolationLevel, k1: i32, k2: i32) -> String {
+    format!(
+        "BEGIN ISOLATION LEVEL {}; \
+         SELECT txid_current() WHERE pg_try_advisory_xact_lock({k1}, {k2})",
+        isolation.as_sql()
+    )
 }
 
 /// The claim's read on the claimed transaction: its id, if round trip 1

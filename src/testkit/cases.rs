@@ -1407,6 +1407,73 @@ pub async fn stricter_isolation_keeps_the_guarantees<DB: ConformanceDb>(h: Harne
     assert_eq!(h.orders().await, 2);
 }
 
+/// Issue 33, point 1: above `READ COMMITTED`, a duplicate that arrives
+/// as the first request commits never runs the handler again. Storms of
+/// duplicates at `REPEATABLE READ` and `SERIALIZABLE` (each key's copies
+/// sent to instances of their own around its first execution's commit), judged by executions, orders
+/// and stock: one of each per key, and every answer the first one's, a
+/// replay or the in-flight refusal (before: a duplicate whose snapshot was
+/// taken just before the first committed won the released lock, found no
+/// row and ran the handler again).
+pub async fn stricter_isolation_never_runs_a_finished_key_again<DB: ConformanceDb>(h: Harness<DB>) {
+    stricter_isolation_storms(h, 12).await;
+}
+
+/// [`stricter_isolation_never_runs_a_finished_key_again`] with `keys`
+/// storms per isolation level (for slow environments).
+pub async fn stricter_isolation_storms<DB: ConformanceDb>(h: Harness<DB>, keys_per_level: usize) {
+    const COPIES: u64 = 8;
+    DB::set_stock(&h.pool, "A-10", 1_000).await;
+    let body = r#"{"amount":5,"items":[{"sku":"A-10","qty":1}]}"#;
+    let mut keys = 0;
+    for level in [
+        crate::IsolationLevel::RepeatableRead,
+        crate::IsolationLevel::Serializable,
+    ] {
+        // One instance per copy: each claim meets the others in the
+        // database, not in one process's table of keys in flight.
+        let apps: Vec<_> = (0..COPIES)
+            .map(|_| h.app_with(h.layer().with_isolation_level(level)))
+            .collect();
+        for k in 0..keys_per_level {
+            keys += 1;
+            let key = format!("storm-{level:?}-{k}");
+            let copies: Vec<_> = (0..COPIES)
+                .map(|i| {
+                    let (app, key) = (apps[i as usize].clone(), key.clone());
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(i * 2)).await;
+                        send(&app, order(ALICE, Some(&key), body)).await
+                    })
+                })
+                .collect();
+            let mut created = Vec::new();
+            for copy in copies {
+                let a = copy.await.unwrap();
+                match a.status {
+                    StatusCode::CREATED => created.push(a.body),
+                    StatusCode::CONFLICT => assert_eq!(a.problem(), "in-flight", "{a:?}"),
+                    // A slow session (a matrix environment) may keep the
+                    // pool busy: a retryable refusal, nothing recorded.
+                    StatusCode::SERVICE_UNAVAILABLE => {
+                        assert_eq!(a.problem(), "store-busy", "{a:?}")
+                    }
+                    _ => panic!("{level:?} {key}: {a:?}"),
+                }
+            }
+            assert!(created.windows(2).all(|w| w[0] == w[1]), "{level:?} {key}");
+            assert_eq!(
+                h.executions(),
+                keys,
+                "{level:?} {key}: one execution per key"
+            );
+        }
+    }
+    assert_eq!(h.orders().await, keys as i64);
+    assert_eq!(DB::stock(&h.pool, "A-10").await, 1_000 - keys as i64);
+    assert_eq!(h.ledger_with("SUCCEEDED").await, keys as i64);
+}
+
 /// Migrations: a database created by the previous release (the ledger
 /// without a migrations table, with a row in it) is upgraded in place, and
 /// three instances migrating at once apply each version exactly once.

@@ -684,6 +684,7 @@ macro_rules! conformance_suite {
             nested_transactions_in_the_handler_are_savepoints,
             a_handlers_own_savepoints_never_keep_writes_of_a_final_error,
             stricter_isolation_keeps_the_guarantees,
+            stricter_isolation_never_runs_a_finished_key_again,
             migrations_upgrade_in_place_and_run_concurrently,
             dropped_futures_leave_a_clean_connection,
             an_answer_over_the_recording_limit_commits_once_and_never_runs_again,
