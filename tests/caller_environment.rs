@@ -303,3 +303,86 @@ async fn postgres_stricter_isolation_sees_the_commit_it_waited_for() {
         .unwrap();
     cases::stricter_isolation_storms(h.with_pool(slow_plans), 3).await;
 }
+
+/// Issue 33, point 2: a schema-per-tenant service whose handlers run
+/// `SET LOCAL search_path TO tenant_42, public` (the tenant's schema has a
+/// ledger table of its own) keeps every answer in the ledger the claims
+/// read: the key replays, the handler runs once, and the tenant's table
+/// stays empty (before: the finished row went to `tenant_42`, every retry
+/// ran the handler again and was refused `503`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_handlers_search_path_never_moves_the_ledger() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (url, _drop) = <sqlx::Postgres as ConformanceDb>::fresh_url().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .unwrap();
+    tower_idempotency::migrate(&pool).await.unwrap();
+    sqlx::raw_sql("CREATE SCHEMA tenant_42; CREATE TABLE orders (id SERIAL PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // The tenant's schema migrated too, as a schema-per-tenant service does.
+    let tenant = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::raw_sql("SET search_path TO tenant_42")
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+        })
+        .connect(&url)
+        .await
+        .unwrap();
+    tower_idempotency::migrate(&tenant).await.unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = Arc::clone(&runs);
+        move |req: Request<IdempotencyBody<String>>| {
+            let runs = Arc::clone(&runs);
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let tx = req
+                    .extensions()
+                    .get::<Tx<sqlx::Postgres>>()
+                    .cloned()
+                    .unwrap();
+                let mut conn = tx.lock().unwrap();
+                sqlx::raw_sql("SET LOCAL search_path TO tenant_42, public")
+                    .execute(&mut *conn)
+                    .await
+                    .unwrap();
+                let id: i32 = sqlx::query_scalar("INSERT INTO orders DEFAULT VALUES RETURNING id")
+                    .fetch_one(&mut *conn)
+                    .await
+                    .unwrap();
+                Ok::<_, Infallible>(Response::builder().status(201).body(id.to_string()).unwrap())
+            }
+        }
+    };
+    let service = ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(pool.clone()).unscoped())
+        .service_fn(handler);
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let res = service.clone().oneshot(request("tenant-key")).await.unwrap();
+        let status = res.status();
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        answers.push((status, body));
+    }
+    assert!(answers.iter().all(|a| a == &answers[0]), "{answers:?}");
+    assert_eq!(answers[0].0, StatusCode::CREATED);
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "one execution");
+    let count = |sql: &'static str| {
+        let pool = pool.clone();
+        async move { sqlx::query_scalar::<_, i64>(sql).fetch_one(&pool).await.unwrap() }
+    };
+    assert_eq!(count("SELECT COUNT(*) FROM public.orders").await, 1);
+    assert_eq!(count("SELECT COUNT(*) FROM public.idempotency_records").await, 1);
+    assert_eq!(count("SELECT COUNT(*) FROM tenant_42.idempotency_records").await, 0);
+}

@@ -50,6 +50,11 @@ pub struct Claimed<DB: Database> {
     /// what proves at recording time that the transaction is still the one
     /// the claim began.
     pub(crate) xid: Option<i64>,
+    /// The schema of the ledger table the claim read, quoted, where the
+    /// store tells it (PostgreSQL): the row written after the handler ran
+    /// goes there, whatever the handler did to the transaction's
+    /// `search_path`.
+    pub(crate) ledger_schema: Option<String>,
 }
 
 impl<DB: Database> std::fmt::Debug for Claimed<DB> {
@@ -91,6 +96,7 @@ impl<DB: Database> Claimed<DB> {
                 conn: Some(conn),
                 end,
                 xid: None,
+                ledger_schema: None,
             }),
             Err(e) => Err((e, conn)),
         }

@@ -35,12 +35,20 @@ const MIGRATIONS: &[Migration] = migrations!(
 
 /// The claim's read, prepared (round trip 2): the transaction's id when
 /// round trip 1 took the scope's lock (`NULL`: another transaction holds
-/// it), and the scope's committed row, as `fetch` reads it.
+/// it), the scope's committed row, as `fetch` reads it, and the schema of
+/// the ledger table the session finds (never a temporary one), quoted, for
+/// the row written after the handler ran (which may have moved the
+/// transaction's `search_path`).
 const CLAIM_READ: &str = "SELECT txid_current_if_assigned(), r.status, r.request_fingerprint, r.response_status, \
      r.response_headers, r.response_body, r.resource_id, r.expires_at, \
      CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
      CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
-     r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8 \
+     r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8, \
+     (SELECT quote_ident(s.nspname) FROM pg_catalog.pg_class c \
+     JOIN pg_catalog.pg_namespace s ON s.oid = c.relnamespace \
+     WHERE c.relname = 'idempotency_records' AND c.relkind IN ('r', 'p') \
+     AND s.nspname = ANY (pg_catalog.current_schemas(false)) \
+     ORDER BY pg_catalog.array_position(pg_catalog.current_schemas(false), s.nspname) LIMIT 1) \
      FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
      LEFT JOIN idempotency_records r \
      ON r.principal_id = $1 AND r.operation = $2 AND r.idem_key = $3";
@@ -48,17 +56,22 @@ const CLAIM_READ: &str = "SELECT txid_current_if_assigned(), r.status, r.request
 /// Waits for the scope's lock within a bound (ledger v8's function).
 const WAIT: &str = "SELECT tower_idempotency_wait($1, $2, $3)";
 
-/// The one ledger row, written just before the COMMIT, only on the
-/// transaction the claim began (`$11`, its id).
-const RECORD: &str = concat!(
-    "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
-     status, response_status, response_headers, response_body, resource_id, created_at, \
-     expires_at) SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, ",
-    now_ms!(),
-    ", ",
-    now_ms!(),
-    " + $10 WHERE txid_current() = $11 RETURNING expires_at"
-);
+/// The one ledger row, written just before the COMMIT into the ledger
+/// table of `schema` (as the claim read it; unqualified where it found
+/// none), only on the transaction the claim began (`$11`, its id).
+fn record(schema: Option<&str>) -> String {
+    let table = match schema {
+        Some(schema) => format!("{schema}.idempotency_records"),
+        None => "idempotency_records".to_owned(),
+    };
+    format!(
+        "INSERT INTO {table} (principal_id, operation, idem_key, request_fingerprint, \
+         status, response_status, response_headers, response_body, resource_id, created_at, \
+         expires_at) SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, {now}, {now} + $10 \
+         WHERE txid_current() = $11 RETURNING expires_at",
+        now = now_ms!(),
+    )
+}
 
 impl Backend for Postgres {
     const UNNAMED_IN_TRANSACTIONS: bool = true;
@@ -130,7 +143,7 @@ impl Backend for Postgres {
         let mut waited = false;
         let outcome = loop {
             let read = claim_read(&mut tx, claim).await;
-            let (xid, record) = match read {
+            let (xid, record, schema) = match read {
                 Ok(read) => read,
                 Err(e) => {
                     tx.discard();
@@ -141,6 +154,7 @@ impl Backend for Postgres {
                 (_, Some(record)) => break ClaimOutcome::Lost(Some(Box::new(record))),
                 (Some(xid), None) if fresh => {
                     tx.xid = Some(xid);
+                    tx.ledger_schema = schema;
                     return Ok(ClaimOutcome::Won(tx));
                 }
                 // Ours, on a snapshot that may precede the last holder's
@@ -217,7 +231,8 @@ impl Backend for Postgres {
             tx.discard();
             return Err(e.into());
         }
-        let inserted: Result<Option<i64>, _> = sqlx::query_scalar(RECORD)
+        let sql = AssertSqlSafe(record(tx.ledger_schema.as_deref()));
+        let inserted: Result<Option<i64>, _> = sqlx::query_scalar(sql)
             .persistent(claim.cached_statements)
             .bind(claim.scope.principal)
             .bind(claim.scope.operation)
@@ -501,11 +516,12 @@ fn begin_locked(isolation: IsolationLevel, k1: i32, k2: i32) -> String {
 }
 
 /// The claim's read on the claimed transaction: its id, if round trip 1
-/// took the scope's lock, and the scope's committed row.
+/// took the scope's lock, the scope's committed row, and the ledger's
+/// schema.
 async fn claim_read(
     tx: &mut Claimed<Postgres>,
     claim: &Claim<'_>,
-) -> Result<(Option<i64>, Option<Record>), sqlx::Error> {
+) -> Result<(Option<i64>, Option<Record>, Option<String>), sqlx::Error> {
     let row = sqlx::query(CLAIM_READ)
         .persistent(claim.cached_statements)
         .bind(claim.scope.principal)
@@ -514,8 +530,9 @@ async fn claim_read(
         .fetch_one(&mut **tx)
         .await?;
     let xid = row.try_get::<Option<i64>, _>(0)?;
+    let schema = row.try_get::<Option<String>, _>(16)?;
     if row.try_get::<Option<String>, _>(1)?.is_none() {
-        return Ok((xid, None));
+        return Ok((xid, None, schema));
     }
     let record = record_from_row((
         row.try_get(1)?,
@@ -534,7 +551,7 @@ async fn claim_read(
         row.try_get(14)?,
         row.try_get(15)?,
     ))?;
-    Ok((xid, Some(record)))
+    Ok((xid, Some(record), schema))
 }
 
 /// How lease and operator statements take their values (bound
