@@ -361,7 +361,12 @@ async fn postgres_a_handlers_search_path_never_moves_the_ledger() {
                     .fetch_one(&mut *conn)
                     .await
                     .unwrap();
-                Ok::<_, Infallible>(Response::builder().status(201).body(id.to_string()).unwrap())
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .status(201)
+                        .body(id.to_string())
+                        .unwrap(),
+                )
             }
         }
     };
@@ -370,7 +375,11 @@ async fn postgres_a_handlers_search_path_never_moves_the_ledger() {
         .service_fn(handler);
     let mut answers = Vec::new();
     for _ in 0..3 {
-        let res = service.clone().oneshot(request("tenant-key")).await.unwrap();
+        let res = service
+            .clone()
+            .oneshot(request("tenant-key"))
+            .await
+            .unwrap();
         let status = res.status();
         let body = res.into_body().collect().await.unwrap().to_bytes();
         answers.push((status, body));
@@ -380,9 +389,85 @@ async fn postgres_a_handlers_search_path_never_moves_the_ledger() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "one execution");
     let count = |sql: &'static str| {
         let pool = pool.clone();
-        async move { sqlx::query_scalar::<_, i64>(sql).fetch_one(&pool).await.unwrap() }
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
     };
     assert_eq!(count("SELECT COUNT(*) FROM public.orders").await, 1);
-    assert_eq!(count("SELECT COUNT(*) FROM public.idempotency_records").await, 1);
-    assert_eq!(count("SELECT COUNT(*) FROM tenant_42.idempotency_records").await, 0);
+    assert_eq!(
+        count("SELECT COUNT(*) FROM public.idempotency_records").await,
+        1
+    );
+    assert_eq!(
+        count("SELECT COUNT(*) FROM tenant_42.idempotency_records").await,
+        0
+    );
+}
+
+/// Issue 33, point 4b: a `TEMP` table named `idempotency_records`, left on
+/// a pooled SQLite connection by a handler (SQLite resolves unqualified
+/// names to `temp` first), never captures the layer's statements: the key
+/// replays, the handler runs once, and the real ledger holds `SUCCEEDED`
+/// (before: the real row stayed `PROCESSING`, retries got `503`).
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_temporary_table_never_captures_the_ledger() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (url, _drop) = <sqlx::Sqlite as ConformanceDb>::fresh_url().await;
+    let url = format!("{url}?mode=rwc");
+    let pool: Pool<sqlx::Sqlite> = one_connection_pool!(sqlx::Sqlite, &url, "SELECT 1");
+    tower_idempotency::migrate(&pool).await.unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = Arc::clone(&runs);
+        move |req: Request<IdempotencyBody<String>>| {
+            let runs = Arc::clone(&runs);
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let tx = req.extensions().get::<Tx<sqlx::Sqlite>>().cloned().unwrap();
+                let mut conn = tx.lock().unwrap();
+                sqlx::raw_sql(
+                    "CREATE TEMP TABLE IF NOT EXISTS idempotency_records \
+                     AS SELECT * FROM main.idempotency_records WHERE 0",
+                )
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .status(201)
+                        .body("made".to_owned())
+                        .unwrap(),
+                )
+            }
+        }
+    };
+    let service = ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(pool.clone()).unscoped())
+        .service_fn(handler);
+    let mut answers = Vec::new();
+    for key in ["temp-1", "temp-1", "temp-2", "temp-1", "temp-2"] {
+        let res = service.clone().oneshot(request(key)).await.unwrap();
+        let status = res.status();
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        answers.push((status, body));
+    }
+    assert!(
+        answers
+            .iter()
+            .all(|a| a.0 == StatusCode::CREATED && a.1 == "made"),
+        "{answers:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "one execution per key");
+    let succeeded: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM main.idempotency_records WHERE status = 'SUCCEEDED'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(succeeded, 2);
 }

@@ -54,7 +54,7 @@ impl Backend for Sqlite {
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
         let mut tx = begin_immediate(conn).await?;
         let inserted = sqlx::query(concat!(
-            "INSERT INTO idempotency_records \
+            "INSERT INTO main.idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
              VALUES (?, ?, ?, ?, 'PROCESSING', ",
             now_ms!(),
@@ -110,7 +110,7 @@ impl Backend for Sqlite {
             return Err(e.into());
         }
         let recorded: Result<i64, _> = sqlx::query_scalar(
-            "UPDATE idempotency_records SET status = ?, response_status = ?, \
+            "UPDATE main.idempotency_records SET status = ?, response_status = ?, \
              response_headers = ?, response_body = ?, resource_id = ? \
              WHERE principal_id = ? AND operation = ? AND idem_key = ? RETURNING expires_at",
         )
@@ -156,10 +156,10 @@ impl Backend for Sqlite {
             " THEN 1 ELSE 0 END, generation, CASE WHEN locked_until > ",
             now_ms!(),
             " THEN 1 ELSE 0 END, recovery_point, recovery_data, pending_step, claim_id, parks \
-             FROM idempotency_records WHERE principal_id = ? AND operation = ? AND idem_key = ?"
+             FROM main.idempotency_records WHERE principal_id = ? AND operation = ? AND idem_key = ?"
         ),
         mark = concat!(
-            "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
+            "INSERT INTO main.idempotency_records (principal_id, operation, idem_key, \
              request_fingerprint, status, response_status, created_at, expires_at) \
              VALUES (?, ?, ?, ?, 'NEEDS_RECONCILIATION', ?, ",
             now_ms!(),
@@ -167,18 +167,18 @@ impl Backend for Sqlite {
             now_ms!(),
             " + ?) ON CONFLICT (principal_id, operation, idem_key) DO UPDATE \
              SET status = 'NEEDS_RECONCILIATION', response_status = excluded.response_status \
-             WHERE idempotency_records.status = 'PROCESSING'"
+             WHERE main.idempotency_records.status = 'PROCESSING'"
         ),
         expire = concat!(
-            "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
+            "UPDATE main.idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
              response_body = NULL, expires_at = expires_at + ? \
-             WHERE rowid IN (SELECT rowid FROM idempotency_records \
+             WHERE rowid IN (SELECT rowid FROM main.idempotency_records \
              WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= COALESCE(?, ",
             now_ms!(),
             ") LIMIT ?)"
         ),
         purge = concat!(
-            "DELETE FROM idempotency_records WHERE rowid IN (SELECT rowid FROM idempotency_records \
+            "DELETE FROM main.idempotency_records WHERE rowid IN (SELECT rowid FROM main.idempotency_records \
              WHERE status = 'EXPIRED' AND expires_at <= COALESCE(?, ",
             now_ms!(),
             ") LIMIT ?)"
@@ -248,7 +248,7 @@ impl Backend for Sqlite {
             "{} RETURNING expires_at",
             DIALECT.write(&mut Vec::new(), scope, fence, write)
         );
-        let written: Result<Option<i64>, _> = sqlx::query_scalar(AssertSqlSafe(sql))
+        let written: Result<Option<i64>, _> = sqlx::query_scalar(AssertSqlSafe(in_main(&sql)))
             .fetch_optional(&mut *tx)
             .await;
         commit_if_written(tx, written).await
@@ -295,15 +295,26 @@ pub(super) const DIALECT: Dialect = Dialect {
 };
 
 /// A lease or operator statement: its values are literals (`DIALECT`
-/// binds none), sent as written.
+/// binds none), sent as written, with the ledger's tables named in the
+/// `main` database (see [`in_main`]).
 pub(super) fn stmt(sql: String, args: Args, _cached: bool) -> sqlx::RawSql {
     debug_assert!(args.is_empty(), "SQLite's dialect binds nothing");
-    sqlx::raw_sql(AssertSqlSafe(sql))
+    sqlx::raw_sql(AssertSqlSafe(in_main(&sql)))
+}
+
+/// `sql` (one of the shared lease and operator statements, whose text
+/// names the ledger's tables unqualified) with the ledger's tables named in
+/// the `main` database: SQLite resolves an unqualified name to a `TEMP`
+/// table first, and a handler may leave one of that name on a pooled
+/// connection.
+fn in_main(sql: &str) -> String {
+    sql.replace(" idempotency_records", " main.idempotency_records")
+        .replace(" tower_idempotency_audit", " main.tower_idempotency_audit")
 }
 
 /// Runs one literal statement on the pool; the rows it changed.
 async fn execute(pool: &Pool<Sqlite>, sql: String) -> Result<u64, sqlx::Error> {
-    Ok(sqlx::raw_sql(AssertSqlSafe(sql))
+    Ok(sqlx::raw_sql(AssertSqlSafe(in_main(&sql)))
         .execute(pool)
         .await?
         .rows_affected())
