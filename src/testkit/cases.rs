@@ -1016,6 +1016,7 @@ pub async fn path_spellings_are_one_operation<DB: ConformanceDb>(h: Harness<DB>)
     let state = super::AppState {
         pool: h.pool.clone(),
         executions: std::sync::Arc::clone(&h.executions),
+        first: h.environment.handler.statements,
     };
     let inside = axum::Router::new()
         .route("/orders/{id}/pay", post(pay::<DB>).layer(h.layer()))

@@ -45,10 +45,12 @@ use tower::ServiceExt;
 mod backends;
 pub mod cases;
 pub mod consumer;
+pub mod environment;
 pub mod lease;
 pub mod relay;
 
 pub use backends::{Cleanup, mysql_admin_url, pg_admin_url, use_postgres_url};
+pub use environment::Environment;
 
 /// What the suite needs from a database besides the ledger: a fresh
 /// database, and the order-service statements the test app runs.
@@ -115,12 +117,16 @@ pub struct Harness<DB: ConformanceDb> {
     pub pool: Pool<DB>,
     /// How many times the test handler ran.
     pub executions: Arc<AtomicUsize>,
+    /// The caller's environment the case runs in.
+    pub environment: Environment,
     _drop: Cleanup,
 }
 
 struct AppState<DB: ConformanceDb> {
     pool: Pool<DB>,
     executions: Arc<AtomicUsize>,
+    /// What the handler runs first on the claimed transaction.
+    first: &'static [&'static str],
 }
 
 impl<DB: ConformanceDb> Clone for AppState<DB> {
@@ -128,6 +134,7 @@ impl<DB: ConformanceDb> Clone for AppState<DB> {
         Self {
             pool: self.pool.clone(),
             executions: Arc::clone(&self.executions),
+            first: self.first,
         }
     }
 }
@@ -226,6 +233,9 @@ async fn create_order<DB: ConformanceDb>(
         .trim_start_matches("Bearer ")
         .to_string();
     let mut conn = tx.lock().unwrap();
+    for sql in st.first {
+        DB::exec_on(&mut conn, sql).await.unwrap();
+    }
     let id = DB::insert_order(&mut conn, &principal, req.amount)
         .await
         .unwrap();
@@ -474,6 +484,43 @@ impl<DB: ConformanceDb> Harness<DB> {
         Self {
             pool,
             executions: Arc::new(AtomicUsize::new(0)),
+            environment: Environment::default(),
+            _drop: drop,
+        }
+    }
+
+    /// A fresh database whose pooled connections, layer and handler live in
+    /// `environment` (see [`environment`]).
+    pub async fn in_environment(environment: Environment) -> Self {
+        let (plain, drop) = DB::fresh().await;
+        for sql in environment
+            .session
+            .setup
+            .iter()
+            .chain(environment.handler.setup)
+        {
+            DB::exec(&plain, sql).await;
+        }
+        let session = environment.session.statements;
+        let pool = sqlx::pool::PoolOptions::<DB>::new()
+            .max_connections(plain.options().get_max_connections())
+            .acquire_timeout(plain.options().get_acquire_timeout())
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    for sql in session {
+                        DB::exec_on(conn, sql).await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect_with((*plain.connect_options()).clone())
+            .await
+            .unwrap();
+        plain.close().await;
+        Self {
+            pool,
+            executions: Arc::new(AtomicUsize::new(0)),
+            environment,
             _drop: drop,
         }
     }
@@ -488,7 +535,9 @@ impl<DB: ConformanceDb> Harness<DB> {
 
     /// The default layer for these tests: Bearer-token principals.
     pub fn layer(&self) -> IdempotencyLayer<DB> {
-        IdempotencyLayer::new(self.pool.clone()).with_principal(bearer)
+        IdempotencyLayer::new(self.pool.clone())
+            .with_principal(bearer)
+            .with_isolation_level(self.environment.isolation)
     }
 
     /// The test app behind the default layer.
@@ -504,6 +553,7 @@ impl<DB: ConformanceDb> Harness<DB> {
             .with_state(AppState {
                 pool: self.pool.clone(),
                 executions: Arc::clone(&self.executions),
+                first: self.environment.handler.statements,
             })
     }
 
@@ -640,7 +690,13 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!($name, $db, setup = $crate::testkit::no_setup);
     };
     ($name:ident, $db:ty, setup = $setup:path) => {
-        $crate::__conformance_cases!($name, $db, $setup;
+        $crate::conformance_suite!(@cases $name, $db, $setup, plain);
+    };
+    ($name:ident, $db:ty, matrix) => {
+        $crate::conformance_suite!(@cases $name, $db, $crate::testkit::no_setup, matrix);
+    };
+    (@cases $name:ident, $db:ty, $setup:path, $harness:ident) => {
+        $crate::__conformance_cases!($name, $db, $setup, $harness;
             first_request_commits_order_and_succeeded_row,
             retry_replays_byte_for_byte_without_executing,
             quoted_and_bare_key_are_the_same_key,
@@ -753,16 +809,36 @@ macro_rules! conformance_suite {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_cases {
-    ($name:ident, $db:ty, $setup:path; $($case:ident),* $(,)?) => {
+    ($name:ident, $db:ty, $setup:path, $harness:ident; $($case:ident),* $(,)?) => {
         mod $name {
             $(
                 #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $case() {
                     $setup();
-                    let harness = $crate::testkit::Harness::<$db>::new().await;
+                    let harness = $crate::__conformance_harness!($harness, $db, $case);
                     $crate::testkit::cases::$case(harness).await;
                 }
             )*
         }
     };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_harness {
+    (plain, $db:ty, $case:ident) => {
+        $crate::testkit::Harness::<$db>::new().await
+    };
+    (matrix, $db:ty, $case:ident) => {{
+        let seed = $crate::testkit::environment::seed();
+        let label = <$db as $crate::testkit::ConformanceDb>::LABEL;
+        let environment = $crate::testkit::Environment::of(label, stringify!($case), seed);
+        // Printed with the case's failure: what to re-run.
+        eprintln!(
+            "environment matrix: {label}::{} under {environment} \
+             (TOWER_IDEMPOTENCY_MATRIX_SEED={seed})",
+            stringify!($case)
+        );
+        $crate::testkit::Harness::<$db>::in_environment(environment).await
+    }};
 }
