@@ -55,12 +55,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     pub fn new(pool: Pool<DB>) -> Self {
         let max_connections = pool.options().get_max_connections();
         let max_waiting = default_max_waiting(max_connections);
-        // All but a quarter of the pool (kept for other principals), at
-        // least one.
-        let max_per_principal = usize::try_from(max_connections)
-            .unwrap_or(1)
-            .saturating_sub(max_waiting)
-            .max(1);
+        let turns = default_turns::<DB>(max_connections);
         let cached_statements = crate::store::caches_statements(&pool);
         Self {
             pool,
@@ -91,7 +86,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 cached_statements,
                 max_waiting,
                 waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
-                principal_slots: Arc::new(PrincipalSlots::new(max_per_principal)),
+                principal_slots: Arc::new(turns),
                 lease: None,
                 policy: None,
             },
@@ -374,8 +369,18 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// principal sets the pool's size.
     pub fn with_max_per_principal(mut self, connections: usize) -> Result<Self, ConfigError> {
         let connections = nonzero(connections, "max_per_principal")?;
-        self.config.principal_slots = Arc::new(PrincipalSlots::new(connections));
+        let capacity = self.config.principal_slots.capacity();
+        self.config.principal_slots = Arc::new(PrincipalSlots::new(capacity, connections));
         Ok(self)
+    }
+
+    /// How many of this layer's requests wait for a turn at the store now
+    /// (see [`with_max_per_principal`](Self::with_max_per_principal)); for
+    /// tests that judge fairness by events.
+    #[cfg(feature = "testkit")]
+    #[doc(hidden)]
+    pub fn waiting_for_a_turn(&self) -> usize {
+        self.config.principal_slots.waiting()
     }
 
     /// The isolation level of the claimed transaction the handler writes on
@@ -484,6 +489,19 @@ impl<DB: Backend> IdempotencyLayer<DB> {
 /// A quarter of the pool, at least one connection.
 fn default_max_waiting(pool_size: u32) -> usize {
     usize::try_from(pool_size / 4).unwrap_or(1).max(1)
+}
+
+/// The default turns at the store: the pool's connections (SQLite's one
+/// writer where claims take it), a principal's share all but a quarter of
+/// them (at least one), the quarter kept for principals that hold none.
+fn default_turns<DB: Backend>(pool_size: u32) -> PrincipalSlots {
+    let capacity = if DB::ONE_WRITER {
+        1
+    } else {
+        usize::try_from(pool_size).unwrap_or(usize::MAX).max(1)
+    };
+    let share = capacity.saturating_sub(capacity / 4).max(1);
+    PrincipalSlots::new(capacity, share)
 }
 
 impl<S, DB: Backend> Layer<S> for IdempotencyLayer<DB> {

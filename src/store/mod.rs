@@ -203,6 +203,12 @@ pub trait Backend: Database {
     /// (PgBouncer before 1.21) could send to two server connections.
     const UNNAMED_IN_TRANSACTIONS: bool = false;
 
+    /// Whether every claim takes the database's one write lock until its
+    /// commit (`true` for SQLite's `BEGIN IMMEDIATE`): the layer then lets
+    /// one of its requests claim at a time, and principals take turns at
+    /// the writer in its own fair queue instead of polling the lock.
+    const ONE_WRITER: bool = false;
+
     /// Applies the missing versioned migrations, under a lock. Safe to
     /// re-run and to run from several instances at once.
     fn migrate(pool: &Pool<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
