@@ -55,12 +55,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     pub fn new(pool: Pool<DB>) -> Self {
         let max_connections = pool.options().get_max_connections();
         let max_waiting = default_max_waiting(max_connections);
-        // All but a quarter of the pool (kept for other principals), at
-        // least one.
-        let max_per_principal = usize::try_from(max_connections)
-            .unwrap_or(1)
-            .saturating_sub(max_waiting)
-            .max(1);
+        let turns = default_turns::<DB>(max_connections);
         let cached_statements = crate::store::caches_statements(&pool);
         Self {
             pool,
@@ -91,7 +86,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 cached_statements,
                 max_waiting,
                 waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
-                principal_slots: Arc::new(PrincipalSlots::new(max_per_principal)),
+                principal_slots: Arc::new(turns),
                 lease: None,
                 policy: None,
             },
@@ -360,22 +355,57 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     }
 
     /// How many pooled connections one principal's guarded requests may
-    /// hold at once: the claim, and the handler's transaction after it.
-    /// Fairness between tenants: one principal's storm (many keys at
-    /// once, a flood of retries) waits for its own slots, within the
-    /// request's in-flight wait, and then gets `503` (`#store-busy`, with
-    /// `Retry-After`), while other principals find the rest of the pool.
-    /// Duplicates waiting for a request of theirs running in this process
-    /// hold no connection and no slot; the bound is per layer (per
-    /// process). The default keeps a quarter of the pool's
-    /// `max_connections` from any one principal (all but
-    /// [`with_max_waiting`](Self::with_max_waiting)'s default, at least
-    /// 1); a single-tenant service that wants the whole pool for its one
-    /// principal sets the pool's size.
+    /// hold at once (the claim, and the handler's transaction after it),
+    /// and how many all principals that hold more than one may hold
+    /// together: the share. Fairness between tenants: the layer's guarded
+    /// requests take turns at the store's connections in a fair queue.
+    ///
+    /// - A principal that holds none may take any free connection; one
+    ///   that holds one takes another only while fewer than the share are
+    ///   held in all. The rest of the pool (the reserve) only ever goes to
+    ///   principals' first connections, so one storm, or many together,
+    ///   leave it to principals that hold none.
+    /// - A connection given back goes to the waiting request whose
+    ///   principal holds the fewest, then whose last turn is the oldest,
+    ///   then the one that came first.
+    /// - A request waits within its in-flight wait, then gets `503`
+    ///   (`#store-busy`, with `Retry-After`); at most four times the pool's
+    ///   size (at least 64) of one principal's requests wait at once, more
+    ///   are refused at once.
+    ///
+    /// So a principal that holds no connection finds one at once while
+    /// fewer principals than the reserve has connections hold one of it
+    /// each, and otherwise is first in line for the next one given back.
+    /// No connection is taken back from a running handler: when more
+    /// principals than the reserve each hold one longer than a calm
+    /// tenant's wait, it waits for one of them.
+    ///
+    /// The default share is all but a quarter of the pool's
+    /// `max_connections` (a pool of two or more keeps at least one back);
+    /// a share of the pool's size (or more) keeps no reserve, for a
+    /// single-tenant service that wants the whole pool for its one
+    /// principal. On SQLite every claim holds the one writer until its
+    /// commit, so the layer gives one request a turn at a time whatever
+    /// the pool's size and this setting, principals in rotation (a calm
+    /// tenant waits for the writer's holder and one turn of each principal
+    /// already waiting). Duplicates waiting for a request of theirs in
+    /// this process hold no connection and take no turn; the queue is per
+    /// layer (per process) and counts only the layer's own requests;
+    /// lease mode's phases are not counted.
     pub fn with_max_per_principal(mut self, connections: usize) -> Result<Self, ConfigError> {
         let connections = nonzero(connections, "max_per_principal")?;
-        self.config.principal_slots = Arc::new(PrincipalSlots::new(connections));
+        let capacity = self.config.principal_slots.capacity();
+        self.config.principal_slots = Arc::new(PrincipalSlots::new(capacity, connections));
         Ok(self)
+    }
+
+    /// How many of this layer's requests wait for a turn at the store now
+    /// (see [`with_max_per_principal`](Self::with_max_per_principal)); for
+    /// tests that judge fairness by events.
+    #[cfg(feature = "testkit")]
+    #[doc(hidden)]
+    pub fn waiting_for_a_turn(&self) -> usize {
+        self.config.principal_slots.waiting()
     }
 
     /// The isolation level of the claimed transaction the handler writes on
@@ -484,6 +514,25 @@ impl<DB: Backend> IdempotencyLayer<DB> {
 /// A quarter of the pool, at least one connection.
 fn default_max_waiting(pool_size: u32) -> usize {
     usize::try_from(pool_size / 4).unwrap_or(1).max(1)
+}
+
+/// The default turns at the store: the pool's connections (SQLite's one
+/// writer where claims take it), a principal's share all but a quarter of
+/// them, the quarter (at least one of two or more) kept for principals
+/// that hold none.
+fn default_turns<DB: Backend>(pool_size: u32) -> PrincipalSlots {
+    let capacity = if DB::ONE_WRITER {
+        1
+    } else {
+        usize::try_from(pool_size).unwrap_or(usize::MAX).max(1)
+    };
+    let reserve = if capacity > 1 {
+        (capacity / 4).max(1)
+    } else {
+        0
+    };
+    let share = capacity - reserve;
+    PrincipalSlots::new(capacity, share)
 }
 
 impl<S, DB: Backend> Layer<S> for IdempotencyLayer<DB> {

@@ -243,9 +243,16 @@
 //!
 //! [`IdempotencyLayer::with_policy`] chooses retention and limits per
 //! request (per tenant, per route) before the claim; each record keeps its
-//! own expiry. [`IdempotencyLayer::with_max_per_principal`] bounds the
-//! pooled connections one principal's requests hold, so one tenant's storm
-//! leaves the rest of the pool to the others.
+//! own expiry. The layer's requests take turns at the store's connections
+//! in a fair queue ([`IdempotencyLayer::with_max_per_principal`]): one
+//! principal holds at most its share (by default all but a quarter of the
+//! pool), storms together never take the reserve (the rest), which goes
+//! only to principals that hold no connection, and a connection given back
+//! goes first to the principal that holds the fewest. A calm tenant finds
+//! a connection at once while fewer principals than the reserve's size
+//! hold one of it each, and is otherwise first in line for the next one;
+//! on SQLite, whose claims all need the one writer, principals take turns
+//! at it in rotation.
 //! [`IdempotencyLayer::with_fingerprint_headers`] makes chosen headers
 //! (an API version) part of "the same request". [`keys`] answers a caller
 //! that lost its request body where its own key stands.

@@ -300,7 +300,7 @@ async fn a_held_record_is_refused<DB: Store>() {
             break out.one_json();
         }
         assert!(
-            start.elapsed() < Duration::from_secs(3),
+            start.elapsed() < Duration::from_secs(30),
             "the step is pending: {out:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -355,8 +355,8 @@ impl<DB: Backend> Run<DB> {
         // the pool; the leader's token lives until the answer is settled.
         let local_wait = deadline.saturating_duration_since(Instant::now());
         let local = cfg.local.lead_or_wait(&id.scope, local_wait).await;
-        // The principal's share of the pool, held from the claim to the
-        // answer's commit (fairness between tenants).
+        // The principal's turn at the store, held from the claim to the
+        // answer's commit (fairness between tenants: see `fairness`).
         let _slot = match &local {
             Local::StillRunning => None,
             Local::Finished | Local::Leader { .. } => {
@@ -364,7 +364,7 @@ impl<DB: Backend> Run<DB> {
                 match cfg.principal_slots.take(id.scope.principal, wait).await {
                     Some(slot) => Some(slot),
                     None => {
-                        let detail = "this principal's requests hold their whole share of the idempotency store's connections; nothing was recorded, retry with the same key";
+                        let detail = "no turn at the idempotency store came within the wait (this principal's share of its connections, or all of them, in use); nothing was recorded, retry with the same key";
                         let problem = Problem::new(ProblemKind::StoreBusy, detail).retry_after(1);
                         return Ok(refuse(problem, 0));
                     }

@@ -13,7 +13,7 @@
 //! | backend | claim | waiting on an in-flight duplicate |
 //! |---|---|---|
 //! | PostgreSQL | with the transaction's `BEGIN`: the scope's transaction advisory lock if free (two `int4` keys, 64 bits of the scope's SHA-256), and a transaction id only when it was taken; then a prepared read of the id and the scope's row. One finished row, prepared, written just before the `COMMIT` | the claim waits on the first claimer's lock in `tower_idempotency_wait` (ledger v8), bounded by a `lock_timeout` set for the wait alone and put back; a wait that runs out is a value, never an error |
-//! | SQLite | `INSERT … ON CONFLICT DO NOTHING` in a `BEGIN IMMEDIATE` transaction | writers are serialized; the wait is the connection's `busy_timeout` (`SqliteConnectOptions::busy_timeout`, 5 s by default), and a busy database answers `503` |
+//! | SQLite | `INSERT … ON CONFLICT DO NOTHING` in a `BEGIN IMMEDIATE` transaction | writers are serialized (one layer's own requests take turns in its fair queue, see `with_max_per_principal`); the wait on another writer is the connection's `busy_timeout` (`SqliteConnectOptions::busy_timeout`, 5 s by default), and a busy database answers `503` |
 //! | MySQL/MariaDB | a plain `INSERT`, a duplicate key reported by the driver's unique-violation signal | the insert blocks on the uncommitted row, bounded by `innodb_lock_wait_timeout` set **for that one statement** (`SET STATEMENT … FOR` on MariaDB, the `SET_VAR` hint on MySQL 8), so no session setting ever changes |
 //!
 //! # Isolation
@@ -202,6 +202,12 @@ pub trait Backend: Database {
     /// statement takes two round trips that a transaction-pooling proxy
     /// (PgBouncer before 1.21) could send to two server connections.
     const UNNAMED_IN_TRANSACTIONS: bool = false;
+
+    /// Whether every claim takes the database's one write lock until its
+    /// commit (`true` for SQLite's `BEGIN IMMEDIATE`): the layer then lets
+    /// one of its requests claim at a time, and principals take turns at
+    /// the writer in its own fair queue instead of polling the lock.
+    const ONE_WRITER: bool = false;
 
     /// Applies the missing versioned migrations, under a lock. Safe to
     /// re-run and to run from several instances at once.

@@ -30,6 +30,8 @@ const MIGRATIONS: &[Migration] = migrations!(
 );
 
 impl Backend for Sqlite {
+    const ONE_WRITER: bool = true;
+
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
         // The write lock, taken up front, serializes concurrent callers;
         // SQLite's DDL is transactional.

@@ -212,6 +212,9 @@ pub async fn consumer_as_a_tower_service_applies_once<DB: ConformanceDb>(h: Harn
 /// delivery ends.
 pub async fn consumer_lock_wait_bounds_a_concurrent_delivery<DB: ConformanceDb>(h: Harness<DB>) {
     let (claimed_tx, claimed_rx) = tokio::sync::oneshot::channel::<()>();
+    // The first delivery holds its claim until the test lets it go (a far
+    // bound, 60 s, only against a stall).
+    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
     let first = {
         let consumer = Consumer::new(h.pool.clone(), "stock");
         tokio::spawn(async move {
@@ -221,7 +224,7 @@ pub async fn consumer_lock_wait_bounds_a_concurrent_delivery<DB: ConformanceDb>(
                     DB::insert_order(&mut conn, "consumer", 2).await?;
                     drop(conn);
                     let _ = claimed_tx.send(());
-                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    let _ = tokio::time::timeout(Duration::from_secs(60), release_rx).await;
                     Ok::<_, sqlx::Error>(())
                 })
                 .await
@@ -230,13 +233,20 @@ pub async fn consumer_lock_wait_bounds_a_concurrent_delivery<DB: ConformanceDb>(
     claimed_rx.await.expect("the first delivery claimed the id");
     let second = Consumer::new(h.pool.clone(), "stock").with_lock_wait(Duration::from_millis(200));
     let runs = AtomicUsize::new(0);
-    let started = tokio::time::Instant::now();
-    let out = deliver(&second, &runs, "evt-1", PAYLOAD).await;
-    let waited = started.elapsed();
+    // Judged by order: the second is answered while the first still holds
+    // its claim (it is let go only afterwards), within a far bound.
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        deliver(&second, &runs, "evt-1", PAYLOAD),
+    )
+    .await
+    .expect("the second delivery waited for the first to end, not its lock wait");
     assert!(
-        waited < Duration::from_millis(1500) && matches!(out, Err(ConsumeError::InFlight)),
-        "with_lock_wait(200 ms) waited {waited:?} and returned {out:?}"
+        matches!(out, Err(ConsumeError::InFlight)),
+        "with_lock_wait(200 ms) returned {out:?}"
     );
+    assert!(!first.is_finished(), "the first still held its claim");
+    let _ = release_tx.send(());
     assert!(matches!(
         first.await.expect("no panic"),
         Ok(Processed::Applied(()))
