@@ -172,35 +172,30 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// headers that differ from one attempt to the next by design
     /// (`authorization`, `proxy-authorization`, `cookie`, `idempotency-key`,
     /// `date`, `traceparent`, `tracestate`, `baggage`, `x-request-id`,
-    /// `x-correlation-id`, `grpc-timeout`, `user-agent`, and the hop-by-hop
-    /// and framing headers `content-length`, `transfer-encoding`,
-    /// `connection`, `te`, `host`).
+    /// `x-correlation-id`, `grpc-timeout`, `user-agent`, `set-cookie`, the
+    /// layer's own `idempotent-replayed` and `idempotency-key-expires`, and
+    /// the hop-by-hop and framing headers `content-length`,
+    /// `transfer-encoding`, `connection`, `te`, `host`).
     pub fn with_fingerprint_headers(
         mut self,
         headers: impl IntoIterator<Item = HeaderName>,
     ) -> Result<Self, ConfigError> {
-        const REFUSED: [&str; 17] = [
+        // Credentials and request-only headers, besides those that
+        // describe any attempt (shared with the replay's list).
+        const REFUSED: [&str; 7] = [
             "authorization",
             "proxy-authorization",
             "cookie",
             "idempotency-key",
-            "date",
-            "traceparent",
-            "tracestate",
-            "baggage",
-            "x-request-id",
-            "x-correlation-id",
             "grpc-timeout",
             "user-agent",
-            "content-length",
-            "transfer-encoding",
-            "connection",
-            "te",
             "host",
         ];
         let mut names: Vec<HeaderName> = Vec::new();
         for name in headers {
-            if REFUSED.contains(&name.as_str()) {
+            if REFUSED.contains(&name.as_str())
+                || crate::replay::PER_ATTEMPT_HEADERS.contains(&name.as_str())
+            {
                 return Err(ConfigError::FingerprintHeader(name));
             }
             if !names.contains(&name) {

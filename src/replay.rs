@@ -2,7 +2,9 @@
 //!
 //! A recorded response is its status, the headers on the layer's allow-list
 //! (by default `content-type` and `location`), the whole body and every
-//! trailer (gRPC's `grpc-status` travels there). A replay
+//! trailer (gRPC's `grpc-status` travels there). A trailers-only gRPC
+//! answer's headers are its trailers: all of them are recorded, but those
+//! that describe the attempt or its framing. A replay
 //! returns exactly those, plus `Idempotent-Replayed: true` unless disabled.
 //! Headers off the allow-list (dates, trace ids, cookies) are not recorded:
 //! they describe an attempt, not the result.
@@ -40,17 +42,21 @@ impl StoredResponse {
         body: Bytes,
         trailers: Option<&Trailers>,
     ) -> Self {
-        let mut encoded = encode_headers(headers, allow);
-        // A trailers-only gRPC answer carries its status in the headers:
-        // kept whatever the allow-list, or its replay would have none.
-        if crate::classify::is_grpc(headers) {
-            let status: Vec<HeaderName> = GRPC_STATUS_HEADERS
-                .iter()
-                .map(|n| HeaderName::from_static(n))
-                .filter(|n| !allow.contains(n))
+        // A trailers-only gRPC answer (what a gRPC server sends for every
+        // error) carries its status and its trailing metadata in the
+        // headers: they are its trailers, recorded whole as trailers are
+        // (custom metadata included), whatever the allow-list; only what
+        // describes the attempt or its framing is left out.
+        let mut encoded = if is_trailers_only(headers) {
+            let kept: Vec<HeaderName> = headers
+                .keys()
+                .filter(|n| !PER_ATTEMPT_HEADERS.contains(&n.as_str()))
+                .cloned()
                 .collect();
-            encoded.extend_from_slice(&encode_headers(headers, &status));
-        }
+            encode_headers(headers, &kept)
+        } else {
+            encode_headers(headers, allow)
+        };
         if let Some(Trailers(trailers)) = trailers.filter(|t| !t.0.is_empty()) {
             encoded.extend_from_slice(TRAILERS.as_bytes());
             encoded.push(b'\n');
@@ -184,8 +190,30 @@ pub(crate) struct Trailers(pub(crate) HeaderMap);
 /// finish a rolling upgrade before relying on replayed trailers.
 const TRAILERS: &str = ":trailers:";
 
-/// The headers that carry a trailers-only gRPC answer's status.
-const GRPC_STATUS_HEADERS: [&str; 3] = ["grpc-status", "grpc-message", "grpc-status-details-bin"];
+/// Headers that describe one attempt or its framing, never an answer:
+/// not recorded from a trailers-only gRPC answer's headers (and never
+/// part of a request's fingerprint, see
+/// `IdempotencyLayer::with_fingerprint_headers`).
+pub(crate) const PER_ATTEMPT_HEADERS: [&str; 13] = [
+    "date",
+    "traceparent",
+    "tracestate",
+    "baggage",
+    "x-request-id",
+    "x-correlation-id",
+    "set-cookie",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "te",
+    IDEMPOTENT_REPLAYED,
+    crate::expiry::IDEMPOTENCY_KEY_EXPIRES,
+];
+
+/// A trailers-only gRPC answer: `grpc-status` in its headers.
+fn is_trailers_only(headers: &HeaderMap) -> bool {
+    crate::classify::is_grpc(headers) && headers.contains_key("grpc-status")
+}
 
 /// The line that marks an answer whose body was not kept, followed by the
 /// recording limit.

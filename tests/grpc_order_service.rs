@@ -328,6 +328,18 @@ async fn a_short_stock_answer_is_recorded_and_replayed_with_its_details<DB: Test
     assert_eq!(again.code(), first.code());
     assert_eq!(again.message(), first.message());
     assert_eq!(again.details(), first.details());
+    // Trailers-only, its custom metadata comes back too.
+    assert_eq!(
+        first
+            .metadata()
+            .get("x-reason")
+            .map(|v| v.to_str().unwrap()),
+        Some("stock")
+    );
+    assert_eq!(
+        again.metadata().get("x-reason"),
+        first.metadata().get("x-reason")
+    );
     assert_eq!(
         again
             .metadata()

@@ -1953,6 +1953,32 @@ pub async fn grpc_answers_are_sorted_by_their_grpc_status<DB: ConformanceDb>(h: 
     assert_eq!(h.executions(), 1 + 1 + 1 + 2 * 2, "replays ran nothing");
 }
 
+/// Case: a trailers-only gRPC answer (what tonic sends for every
+/// `Err(Status)`) is replayed whole: its headers are its trailers, custom
+/// metadata (`x-reason`) included, as an answer's trailers are.
+pub async fn a_trailers_only_grpc_answer_replays_its_metadata<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app();
+    let body = r#"{"amount":12000,"items":[],"mode":"grpconly_9"}"#;
+    let first = send(&app, order(ALICE, KEY, body)).await;
+    assert_eq!(first.headers["grpc-status"], "9", "{first:?}");
+    assert_eq!(first.headers["x-reason"], "stock", "{first:?}");
+    assert_eq!(h.ledger_with("FAILED_FINAL").await, 1);
+    let replay = send(&app, order(ALICE, KEY, body)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    for name in ["content-type", "grpc-status", "grpc-message", "x-reason"] {
+        assert_eq!(
+            replay.headers.get(name),
+            first.headers.get(name),
+            "{name}: {replay:?}"
+        );
+    }
+    assert!(replay.body.is_empty(), "trailers-only: {replay:?}");
+    assert!(replay.trailers.is_none(), "trailers-only: {replay:?}");
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 0);
+    assert_eq!(h.ledger().await, 1);
+}
+
 /// Case: a gRPC request gets the layer's refusals as trailers-only gRPC
 /// answers (HTTP 200, `grpc-status` in the headers, no message), with the
 /// `ErrorInfo` reason of a reused key; nothing is stored.

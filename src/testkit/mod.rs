@@ -286,6 +286,8 @@ async fn create_order<DB: ConformanceDb>(
                     ("content-type", "application/grpc".to_string()),
                     ("grpc-status", code),
                     ("grpc-message", "stock%20short".to_string()),
+                    // Custom metadata, as `Status::with_metadata` sends it.
+                    ("x-reason", "stock".to_string()),
                 ],
             )
                 .into_response();
@@ -672,6 +674,7 @@ macro_rules! conformance_suite {
             a_grpc_answer_over_the_recording_limit_replays_as_already_exists,
             trailers_are_recorded_and_replayed,
             grpc_answers_are_sorted_by_their_grpc_status,
+            a_trailers_only_grpc_answer_replays_its_metadata,
             grpc_requests_get_trailers_only_grpc_refusals,
             a_grpc_timeout_bounds_the_wait_for_an_in_flight_duplicate,
             fingerprinted_headers_tell_versions_apart,
