@@ -168,7 +168,7 @@ fn buffered<B>(res: Response<Bytes>, outcome: IdempotencyOutcome) -> Response<Id
 
 /// A whole answer's body for the client: its bytes, then the trailers it
 /// carries (as read, or as recorded).
-fn buffered_body<B>(mut res: Response<Bytes>) -> Response<IdempotencyBody<B>> {
+pub(crate) fn buffered_body<B>(mut res: Response<Bytes>) -> Response<IdempotencyBody<B>> {
     let trailers = res.extensions_mut().remove::<Trailers>().map(|t| t.0);
     res.map(|body| IdempotencyBody::buffered_with(body, trailers))
 }

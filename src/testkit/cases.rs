@@ -1801,6 +1801,42 @@ pub async fn the_key_status_look_up_says_where_a_key_stands<DB: ConformanceDb>(h
     assert_eq!(h.ledger().await, 3, "and store nothing");
 }
 
+/// Case: the key-status look-up's `answer=true` is the recorded answer as
+/// a replay gives it, trailers included: an HTTP answer's, and a gRPC
+/// answer's `grpc-status`.
+pub async fn the_key_status_answer_is_the_replay_trailers_included<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let layer = h.layer();
+    let app = h.app_with(layer.clone()).route_service(
+        "/idempotency-keys",
+        axum::routing::any_service(layer.key_status()),
+    );
+    let look = |key: &'static str| {
+        http::Request::get("/idempotency-keys?operation=POST%20%2Forders&answer=true")
+            .header("authorization", "Bearer user-42")
+            .header("idempotency-key", key)
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
+    for (key, mode) in [("\"http-1\"", "trailers"), ("\"grpc-1\"", "grpc_0")] {
+        let body = format!(r#"{{"amount":12000,"items":[],"mode":"{mode}"}}"#);
+        let first = send(&app, order(ALICE, Some(key), &body)).await;
+        assert!(first.trailers.is_some(), "{mode}: {first:?}");
+        let replay = send(&app, order(ALICE, Some(key), &body)).await;
+        assert!(replay.replayed(), "{mode}: {replay:?}");
+        let looked = send(&app, look(key)).await;
+        assert!(looked.replayed(), "{mode}: {looked:?}");
+        assert_eq!(looked.status, replay.status, "{mode}");
+        assert_eq!(looked.body, replay.body, "{mode}");
+        assert_eq!(looked.trailers, replay.trailers, "{mode}: {looked:?}");
+        assert_eq!(looked.trailers, first.trailers, "{mode}");
+    }
+    assert_eq!(h.executions(), 2, "look-ups run nothing");
+    assert_eq!(h.orders().await, 2);
+    assert_eq!(h.ledger().await, 2);
+}
+
 /// Case: with `Api-Version` fingerprinted, a retry under the same version
 /// replays, and one under another version (or without the header) is
 /// another request: refused as a reused key, never run, never replayed.

@@ -680,6 +680,7 @@ macro_rules! conformance_suite {
             fingerprinted_headers_tell_versions_apart,
             policies_give_records_their_own_retention_and_limits,
             the_key_status_look_up_says_where_a_key_stands,
+            the_key_status_answer_is_the_replay_trailers_included,
             a_handler_that_deletes_its_ledger_row_commits_nothing,
             lease_first_payment_charges_once_and_replays,
             lease_charge_then_dropped_attempt_resumes_without_a_second_charge,
