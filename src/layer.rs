@@ -334,8 +334,10 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// this process, the database lock waits of every claim attempt, the
     /// backoff between them and acquiring pooled connections. On SQLite the
     /// connection's `busy_timeout` bounds each database wait instead; on
-    /// MySQL lock waits are whole seconds. The default is 2 seconds; zero
-    /// and more than ten minutes are refused.
+    /// MySQL lock waits are whole seconds. A gRPC caller's `grpc-timeout`
+    /// shortens it to three quarters of the deadline, SQLite's included
+    /// (see `docs/grpc.md`). The default is 2 seconds; zero and more
+    /// than ten minutes are refused.
     pub fn with_in_flight_wait(mut self, wait: Duration) -> Result<Self, ConfigError> {
         let wait = at_most(wait, MAX_WAIT, "in_flight_wait")?;
         self.config.in_flight_wait = nonzero(wait, "in_flight_wait")?;

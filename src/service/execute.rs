@@ -13,7 +13,7 @@ use tower_service::Service;
 use super::claim::MIN_READ_WAIT;
 use super::{
     BoxError, CatchUnwind, IdempotencyOutcome, Identity, Run, buffered, expiry_header,
-    read_response, refuse, store_problem, within,
+    read_response, refuse, store_problem,
 };
 use crate::body::IdempotencyBody;
 use crate::classify::Classification;
@@ -207,10 +207,14 @@ impl<DB: Backend> Run<DB> {
             // A read that fails proves nothing: asked once more, then a
             // retryable refusal with the key left as it is (a committed
             // row of this claim, if any, holds it by itself).
-            let mut read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+            let mut read = self
+                .within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope))
+                .await;
             if read.is_err() {
-                tokio::time::sleep(MIN_READ_WAIT).await;
-                read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+                tokio::time::sleep(self.read_bound(MIN_READ_WAIT)).await;
+                read = self
+                    .within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope))
+                    .await;
             }
             // A default-mode row (no lease) with this request's
             // fingerprint, committed unsettled: this claim's row.
@@ -249,7 +253,9 @@ impl<DB: Backend> Run<DB> {
         e: &sqlx::Error,
     ) -> Response<IdempotencyBody<B>> {
         tracing::warn!(error = %e, "the claimed transaction was rolled back by the database");
-        let read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+        let read = self
+            .within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope))
+            .await;
         self.answer_after_rollback(id, read)
     }
 
