@@ -4,7 +4,10 @@
 //! (by default `content-type` and `location`), the whole body and every
 //! trailer (gRPC's `grpc-status` travels there). A trailers-only gRPC
 //! answer's headers are its trailers: all of them are recorded, but those
-//! that describe the attempt or its framing. A replay
+//! that describe the attempt or its framing. An answer whose status HTTP
+//! sends without a body (`1xx`, `204`, `304`) is recorded and replayed
+//! without one, whatever body the handler gave it: a replay is
+//! well-framed for every status. A replay
 //! returns exactly those, plus `Idempotent-Replayed: true` unless disabled.
 //! Headers off the allow-list (dates, trace ids, cookies) are not recorded:
 //! they describe an attempt, not the result.
@@ -69,8 +72,13 @@ impl StoredResponse {
         }
         Self {
             status: status.as_u16(),
+            // What the client got: HTTP sends no body with these.
+            body: if carries_no_body(status) {
+                Bytes::new()
+            } else {
+                body
+            },
             headers: encoded,
-            body,
         }
     }
 
@@ -111,6 +119,9 @@ impl StoredResponse {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
         let (mut recorded, mut trailers) = decode_headers(&self.headers);
         let mut res = match self.not_kept() {
+            // Well-framed whatever was recorded (earlier versions kept a
+            // `204`'s body): no body where HTTP sends none.
+            None if carries_no_body(status) => Response::new(Bytes::new()),
             None => Response::new(self.body.clone()),
             // A gRPC answer has no problem body: a trailers-only answer,
             // `ALREADY_EXISTS` (the operation happened; its message is
@@ -209,6 +220,14 @@ pub(crate) const PER_ATTEMPT_HEADERS: [&str; 13] = [
     IDEMPOTENT_REPLAYED,
     crate::expiry::IDEMPOTENCY_KEY_EXPIRES,
 ];
+
+/// A status HTTP sends without a body (RFC 9110 §6.4.1): `1xx`, `204`,
+/// `304`.
+fn carries_no_body(status: StatusCode) -> bool {
+    status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+}
 
 /// A trailers-only gRPC answer: `grpc-status` in its headers.
 fn is_trailers_only(headers: &HeaderMap) -> bool {

@@ -2015,6 +2015,32 @@ pub async fn a_trailers_only_grpc_answer_replays_its_metadata<DB: ConformanceDb>
     assert_eq!(h.ledger().await, 1);
 }
 
+/// Case: a replay is well-framed for every status: a `204` the handler
+/// gave a body replays with no body and no `Content-Length` of one (HTTP
+/// sends no body with a `204`, and the first client got none).
+pub async fn a_replay_is_well_framed_for_every_status<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app();
+    let body = r#"{"amount":12000,"items":[],"mode":"no_content_with_body"}"#;
+    let first = send(&app, order(ALICE, KEY, body)).await;
+    assert_eq!(first.status, StatusCode::NO_CONTENT, "{first:?}");
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+    let replay = send(&app, order(ALICE, KEY, body)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.status, StatusCode::NO_CONTENT);
+    assert!(replay.body.is_empty(), "{replay:?}");
+    // The layer sends none; axum's router (in-process, as here) sets one
+    // from the body's exact size, which must then be the body's: `0`.
+    assert!(
+        replay
+            .headers
+            .get("content-length")
+            .is_none_or(|v| v == "0"),
+        "a Content-Length that agrees with no body: {replay:?}"
+    );
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
+}
+
 /// Case: a gRPC request gets the layer's refusals as trailers-only gRPC
 /// answers (HTTP 200, `grpc-status` in the headers, no message), with the
 /// `ErrorInfo` reason of a reused key; nothing is stored.

@@ -365,6 +365,10 @@ async fn create_order<DB: ConformanceDb>(
             )
                 .into_response();
         }
+        // A `204` with a body (which HTTP does not send).
+        "no_content_with_body" => {
+            return (StatusCode::NO_CONTENT, "hello").into_response();
+        }
         "mark_retryable" => {
             return (
                 StatusCode::CONFLICT,
@@ -675,6 +679,7 @@ macro_rules! conformance_suite {
             trailers_are_recorded_and_replayed,
             grpc_answers_are_sorted_by_their_grpc_status,
             a_trailers_only_grpc_answer_replays_its_metadata,
+            a_replay_is_well_framed_for_every_status,
             grpc_requests_get_trailers_only_grpc_refusals,
             a_grpc_timeout_bounds_the_wait_for_an_in_flight_duplicate,
             fingerprinted_headers_tell_versions_apart,
