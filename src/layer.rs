@@ -76,6 +76,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 normalizer: Normalizer::default(),
                 max_request_body: 1024 * 1024,
                 max_response_body: 1024 * 1024,
+                max_stream_hold: Duration::from_secs(60),
                 retention: DEFAULT_RETENTION,
                 in_flight_wait: Duration::from_secs(2),
                 claim_attempts: 3,
@@ -314,6 +315,19 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// 1 MiB.
     pub fn with_max_response_body(mut self, bytes: usize) -> Result<Self, ConfigError> {
         self.config.max_response_body = nonzero(bytes, "max_response_body")?;
+        Ok(self)
+    }
+
+    /// How long an answer streamed past the recording limit
+    /// ([`with_max_response_body`](Self::with_max_response_body)) may keep
+    /// its transaction open. Such an answer commits when its body ends,
+    /// and only if it ends well (a gRPC `OK`, an HTTP body that finishes):
+    /// its transaction, its connection and the key's lock are held while
+    /// it streams. One that streams longer is rolled back and its body
+    /// broken off, so the client never takes it for a success. The
+    /// default is 60 seconds; zero is refused.
+    pub fn with_max_stream_hold(mut self, hold: Duration) -> Result<Self, ConfigError> {
+        self.config.max_stream_hold = nonzero(hold, "max_stream_hold")?;
         Ok(self)
     }
 

@@ -13,10 +13,15 @@
 //! they describe an attempt, not the result.
 //!
 //! An answer whose body is over the recording limit is never undone for
-//! its size: the operation commits with the answer's status and headers and
-//! a mark that its body was not kept, the first client gets the whole body
-//! as it streams, and a retry gets the recorded status and headers with a
-//! problem body (`#response-too-large`) that says so, never a second run.
+//! its size: the first client gets the whole body as it streams, and when
+//! it ends well (an HTTP body that finishes, a gRPC `OK` in its trailers)
+//! the operation commits with the answer's status and headers and a mark
+//! that its body was not kept; a retry gets the recorded status and
+//! headers with a problem body (`#response-too-large`) that says so, never
+//! a second run. One that ends in failure (a gRPC error in its trailers, a
+//! broken body, longer than `with_max_stream_hold`) is rolled back: what
+//! commits is what the client was told. Its transaction is held open
+//! while it streams.
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{CONTENT_ENCODING, CONTENT_LANGUAGE, CONTENT_LENGTH, CONTENT_TYPE, TRAILER};

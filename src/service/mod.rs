@@ -399,7 +399,13 @@ impl<DB: Backend> Run<DB> {
         };
         observe::timing("claim_ms", claiming.elapsed());
         match claimed {
-            Claimed::Won(tx) => self.execute(inner, &id, tx, parts, body).await,
+            Claimed::Won(tx) => {
+                // The answer may settle after this returns (streamed past
+                // the recording limit): the key's local lead and the
+                // principal's slot live until it does.
+                let hold: Box<dyn std::any::Any + Send> = Box::new((local, _slot));
+                self.execute(inner, &id, tx, parts, body, hold).await
+            }
             Claimed::Answer((res, outcome)) => Ok(buffered(res, outcome)),
         }
     }
@@ -513,7 +519,7 @@ pub(super) enum ReadAnswer<B> {
 }
 
 impl<B> ReadAnswer<B> {
-    fn parts(&self) -> &http::response::Parts {
+    pub(super) fn parts(&self) -> &http::response::Parts {
         match self {
             Self::Whole(parts, _) => parts,
             Self::Over { parts, .. } => parts,
@@ -528,7 +534,7 @@ impl<B> ReadAnswer<B> {
 
     /// What the ledger keeps of it: the whole answer, or (over `limit`)
     /// its status and headers with the mark that its body was not kept.
-    fn stored(&self, allow: &[http::HeaderName], limit: usize) -> StoredResponse {
+    pub(super) fn stored(&self, allow: &[http::HeaderName], limit: usize) -> StoredResponse {
         match self {
             Self::Whole(parts, body) => StoredResponse::capture(
                 parts.status,

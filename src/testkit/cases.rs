@@ -1905,6 +1905,50 @@ pub async fn a_grpc_answer_over_the_recording_limit_replays_as_already_exists<DB
     assert_eq!(h.orders().await, 1);
 }
 
+/// Case: an answer streamed past the recording limit that then fails (a
+/// gRPC `INTERNAL` in its trailers, an HTTP body that breaks) commits
+/// nothing: the client was told it failed, so its order is rolled back and
+/// no ledger row is left; the retry runs afresh. What commits agrees with
+/// what the client was told.
+pub async fn an_answer_that_fails_past_the_recording_limit_commits_nothing<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    use http_body_util::BodyExt;
+    let app = h.app();
+    let grpc = r#"{"amount":12000,"items":[],"mode":"big_grpc_internal"}"#;
+    let first = send(&app, order(ALICE, KEY, grpc)).await;
+    assert_eq!(first.body.len(), 2 * 1024 * 1024, "the whole message");
+    let told = first.trailers.as_ref().expect("the answer's trailers");
+    assert_eq!(told["grpc-status"], "13", "{told:?}");
+    assert_eq!(h.orders().await, 0, "told INTERNAL: no order");
+    assert_eq!(h.ledger().await, 0, "and no ledger row");
+    let retry = send(&app, order(ALICE, KEY, grpc)).await;
+    assert!(
+        !retry.replayed(),
+        "the retry runs afresh: {:?}",
+        retry.headers
+    );
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.orders().await, 0);
+    assert_eq!(h.ledger().await, 0);
+
+    // HTTP: the body breaks after the limit.
+    use tower::ServiceExt;
+    let broken = r#"{"amount":12000,"items":[],"mode":"big_broken"}"#;
+    let key = Some("\"broken-1\"");
+    let res = app
+        .clone()
+        .oneshot(order(ALICE, key, broken))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    let read = res.into_body().collect().await;
+    assert!(read.is_err(), "the client sees the stream break");
+    assert_eq!(h.orders().await, 0, "a broken answer: no order");
+    assert_eq!(h.ledger().await, 0, "and no ledger row");
+    assert_eq!(h.executions(), 3);
+}
+
 /// Case: an answer's trailers reach the client on the first answer, are
 /// recorded, and come back identical on a replay.
 pub async fn trailers_are_recorded_and_replayed<DB: ConformanceDb>(h: Harness<DB>) {
