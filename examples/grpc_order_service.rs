@@ -244,10 +244,18 @@ where
         if taken.is_none() {
             // A final business error: the layer rolls the order back to its
             // savepoint and records this answer for every retry.
-            return Err(Status::failed_precondition(format!(
-                "not enough stock for {} (wanted {})",
-                item.sku, item.qty
-            )));
+            // Custom metadata travels with it (trailers-only, as tonic
+            // sends every error), and is replayed with it.
+            let mut metadata = tonic::metadata::MetadataMap::new();
+            metadata.insert(
+                "x-reason",
+                tonic::metadata::MetadataValue::from_static("stock"),
+            );
+            return Err(Status::with_metadata(
+                tonic::Code::FailedPrecondition,
+                format!("not enough stock for {} (wanted {})", item.sku, item.qty),
+                metadata,
+            ));
         }
     }
     if !app.handler_delay.is_zero() {

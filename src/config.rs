@@ -29,6 +29,9 @@ pub(crate) struct Config {
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
+    /// How long an answer streamed past the recording limit may keep its
+    /// transaction open (`with_max_stream_hold`).
+    pub(crate) max_stream_hold: Duration,
     pub(crate) retention: Duration,
     pub(crate) in_flight_wait: Duration,
     pub(crate) claim_attempts: u32,

@@ -18,9 +18,13 @@
 //! A refusal that names a resource (an expired key's `Link`, with
 //! `IdempotencyLayer::with_resource_link`) keeps that header as metadata.
 //!
-//! A gRPC caller's `grpc-timeout` also bounds how long its request waits
-//! for an in-flight duplicate (within the layer's own bound, see
-//! `IdempotencyLayer::with_in_flight_wait`).
+//! A gRPC caller's `grpc-timeout` also bounds everything the layer does
+//! for it (within the layer's own bound, see
+//! `IdempotencyLayer::with_in_flight_wait`): the wait for an in-flight
+//! duplicate, the claim and every store read end by three quarters of the
+//! deadline, so the layer's `UNAVAILABLE` reaches the caller before tonic's
+//! `CANCELLED` would; a deadline that leaves less than 1 ms is answered
+//! `UNAVAILABLE` at once, and nothing runs.
 //!
 //! `grpc-message` names the problem's `type` fragment and title; the
 //! `ErrorInfo` travels in `grpc-status-details-bin` (a `google.rpc.Status`,

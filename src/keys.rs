@@ -36,7 +36,7 @@
 //! |---|---|
 //! | `not_found` | no request with this key has committed, and none holds it now: retry with the original payload (if you have it), or treat the operation as not done |
 //! | `in_flight` | a request with this key is running now: ask again after `Retry-After` |
-//! | `succeeded`, `failed` | it finished; `response_status` is the recorded answer's status (`failed`: a recorded final business error); `answer=true` returns that answer itself, byte for byte, as a replay |
+//! | `succeeded`, `failed` | it finished; `response_status` is the recorded answer's status (`failed`: a recorded final business error); `answer=true` returns that answer itself, byte for byte, as a replay: status, headers, body and trailers (a gRPC answer's `grpc-status` among them) |
 //! | `expired` | it finished, and its retention ended: the answer is gone, the key stays refused |
 //! | `needs_reconciliation` | its outcome is unknown and waits for an operator |
 //!
@@ -60,7 +60,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode, header};
-use http_body_util::Full;
 use serde_json::json;
 use sqlx::Pool;
 use tower_service::Service;
@@ -70,7 +69,7 @@ use crate::expiry::{http_date, is_expired};
 use crate::key::IdempotencyKey;
 use crate::problem::{Problem, ProblemKind};
 use crate::scope::{bounded, http_operation, stored_key};
-use crate::service::store_problem;
+use crate::service::{buffered_body, store_problem};
 use crate::store::{Backend, Claim, ClaimOutcome, Record, RecordStatus, Scope, StoreErrorKind};
 
 /// How long telling `not_found` from `in_flight` may wait for the store.
@@ -99,8 +98,12 @@ impl<DB: Backend> std::fmt::Debug for KeyStatus<DB> {
     }
 }
 
+/// The body of a look-up's answer: its bytes, and the trailers of a
+/// recorded answer (`answer=true`) after them.
+pub type KeyStatusBody = crate::IdempotencyBody<http_body_util::Empty<Bytes>>;
+
 impl<DB: Backend, B> Service<Request<B>> for KeyStatus<DB> {
-    type Response = Response<Full<Bytes>>;
+    type Response = Response<KeyStatusBody>;
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
 
@@ -116,7 +119,9 @@ impl<DB: Backend, B> Service<Request<B>> for KeyStatus<DB> {
                 Ok(res) => res,
                 Err(problem) => problem.into_response(),
             };
-            Ok(res.map(Full::new))
+            // A recorded answer's trailers travel after its body, as on a
+            // replay.
+            Ok(buffered_body(res))
         })
     }
 }

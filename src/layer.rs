@@ -71,6 +71,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 normalizer: Normalizer::default(),
                 max_request_body: 1024 * 1024,
                 max_response_body: 1024 * 1024,
+                max_stream_hold: Duration::from_secs(60),
                 retention: DEFAULT_RETENTION,
                 in_flight_wait: Duration::from_secs(2),
                 claim_attempts: 3,
@@ -167,35 +168,30 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// headers that differ from one attempt to the next by design
     /// (`authorization`, `proxy-authorization`, `cookie`, `idempotency-key`,
     /// `date`, `traceparent`, `tracestate`, `baggage`, `x-request-id`,
-    /// `x-correlation-id`, `grpc-timeout`, `user-agent`, and the hop-by-hop
-    /// and framing headers `content-length`, `transfer-encoding`,
-    /// `connection`, `te`, `host`).
+    /// `x-correlation-id`, `grpc-timeout`, `user-agent`, `set-cookie`, the
+    /// layer's own `idempotent-replayed` and `idempotency-key-expires`, and
+    /// the hop-by-hop and framing headers `content-length`,
+    /// `transfer-encoding`, `connection`, `te`, `host`).
     pub fn with_fingerprint_headers(
         mut self,
         headers: impl IntoIterator<Item = HeaderName>,
     ) -> Result<Self, ConfigError> {
-        const REFUSED: [&str; 17] = [
+        // Credentials and request-only headers, besides those that
+        // describe any attempt (shared with the replay's list).
+        const REFUSED: [&str; 7] = [
             "authorization",
             "proxy-authorization",
             "cookie",
             "idempotency-key",
-            "date",
-            "traceparent",
-            "tracestate",
-            "baggage",
-            "x-request-id",
-            "x-correlation-id",
             "grpc-timeout",
             "user-agent",
-            "content-length",
-            "transfer-encoding",
-            "connection",
-            "te",
             "host",
         ];
         let mut names: Vec<HeaderName> = Vec::new();
         for name in headers {
-            if REFUSED.contains(&name.as_str()) {
+            if REFUSED.contains(&name.as_str())
+                || crate::replay::PER_ATTEMPT_HEADERS.contains(&name.as_str())
+            {
                 return Err(ConfigError::FingerprintHeader(name));
             }
             if !names.contains(&name) {
@@ -317,6 +313,19 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         Ok(self)
     }
 
+    /// How long an answer streamed past the recording limit
+    /// ([`with_max_response_body`](Self::with_max_response_body)) may keep
+    /// its transaction open. Such an answer commits when its body ends,
+    /// and only if it ends well (a gRPC `OK`, an HTTP body that finishes):
+    /// its transaction, its connection and the key's lock are held while
+    /// it streams. One that streams longer is rolled back and its body
+    /// broken off, so the client never takes it for a success. The
+    /// default is 60 seconds; zero is refused.
+    pub fn with_max_stream_hold(mut self, hold: Duration) -> Result<Self, ConfigError> {
+        self.config.max_stream_hold = nonzero(hold, "max_stream_hold")?;
+        Ok(self)
+    }
+
     /// How long a key is honoured after its first use, on the database's
     /// clock: retries within it replay, later ones get `410`. Part of your
     /// API contract: publish it. Zero is refused (every retry would be
@@ -334,8 +343,10 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// this process, the database lock waits of every claim attempt, the
     /// backoff between them and acquiring pooled connections. On SQLite the
     /// connection's `busy_timeout` bounds each database wait instead; on
-    /// MySQL lock waits are whole seconds. The default is 2 seconds; zero
-    /// and more than ten minutes are refused.
+    /// MySQL lock waits are whole seconds. A gRPC caller's `grpc-timeout`
+    /// shortens it to three quarters of the deadline, SQLite's included
+    /// (see `docs/grpc.md`). The default is 2 seconds; zero and more
+    /// than ten minutes are refused.
     pub fn with_in_flight_wait(mut self, wait: Duration) -> Result<Self, ConfigError> {
         let wait = at_most(wait, MAX_WAIT, "in_flight_wait")?;
         self.config.in_flight_wait = nonzero(wait, "in_flight_wait")?;

@@ -234,8 +234,9 @@
 //! and replayed with `idempotent-replayed: true`; the layer's refusals are
 //! trailers-only answers (`INVALID_ARGUMENT`, `UNAUTHENTICATED`,
 //! `FAILED_PRECONDITION` with an `ErrorInfo` reason, `UNAVAILABLE` with
-//! `grpc-retry-pushback-ms`), and a caller's `grpc-timeout` bounds its wait
-//! for an in-flight duplicate. What counts as the same request, and a key
+//! `grpc-retry-pushback-ms`), and a caller's `grpc-timeout` bounds
+//! everything the layer does for it (three quarters of it; a deadline too
+//! short for any read is answered at once). What counts as the same request, and a key
 //! from an AIP-155 `request_id` field: the `protobuf` module (feature
 //! `grpc`). `examples/grpc_order_service.rs` and its client show the whole.
 //!

@@ -2,16 +2,26 @@
 //!
 //! A recorded response is its status, the headers on the layer's allow-list
 //! (by default `content-type` and `location`), the whole body and every
-//! trailer (gRPC's `grpc-status` travels there). A replay
+//! trailer (gRPC's `grpc-status` travels there). A trailers-only gRPC
+//! answer's headers are its trailers: all of them are recorded, but those
+//! that describe the attempt or its framing. An answer whose status HTTP
+//! sends without a body (`1xx`, `204`, `304`) is recorded and replayed
+//! without one, whatever body the handler gave it: a replay is
+//! well-framed for every status. A replay
 //! returns exactly those, plus `Idempotent-Replayed: true` unless disabled.
 //! Headers off the allow-list (dates, trace ids, cookies) are not recorded:
 //! they describe an attempt, not the result.
 //!
 //! An answer whose body is over the recording limit is never undone for
-//! its size: the operation commits with the answer's status and headers and
-//! a mark that its body was not kept, the first client gets the whole body
-//! as it streams, and a retry gets the recorded status and headers with a
-//! problem body (`#response-too-large`) that says so, never a second run.
+//! its size: the first client gets the whole body as it streams, and when
+//! it ends well (an HTTP body that finishes, a gRPC `OK` in its trailers)
+//! the operation commits with the answer's status and headers and a mark
+//! that its body was not kept; a retry gets the recorded status and
+//! headers with a problem body (`#response-too-large`) that says so, never
+//! a second run. One that ends in failure (a gRPC error in its trailers, a
+//! broken body, longer than `with_max_stream_hold`) is rolled back: what
+//! commits is what the client was told. Its transaction is held open
+//! while it streams.
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{CONTENT_ENCODING, CONTENT_LANGUAGE, CONTENT_LENGTH, CONTENT_TYPE, TRAILER};
@@ -40,17 +50,21 @@ impl StoredResponse {
         body: Bytes,
         trailers: Option<&Trailers>,
     ) -> Self {
-        let mut encoded = encode_headers(headers, allow);
-        // A trailers-only gRPC answer carries its status in the headers:
-        // kept whatever the allow-list, or its replay would have none.
-        if crate::classify::is_grpc(headers) {
-            let status: Vec<HeaderName> = GRPC_STATUS_HEADERS
-                .iter()
-                .map(|n| HeaderName::from_static(n))
-                .filter(|n| !allow.contains(n))
+        // A trailers-only gRPC answer (what a gRPC server sends for every
+        // error) carries its status and its trailing metadata in the
+        // headers: they are its trailers, recorded whole as trailers are
+        // (custom metadata included), whatever the allow-list; only what
+        // describes the attempt or its framing is left out.
+        let mut encoded = if is_trailers_only(headers) {
+            let kept: Vec<HeaderName> = headers
+                .keys()
+                .filter(|n| !PER_ATTEMPT_HEADERS.contains(&n.as_str()))
+                .cloned()
                 .collect();
-            encoded.extend_from_slice(&encode_headers(headers, &status));
-        }
+            encode_headers(headers, &kept)
+        } else {
+            encode_headers(headers, allow)
+        };
         if let Some(Trailers(trailers)) = trailers.filter(|t| !t.0.is_empty()) {
             encoded.extend_from_slice(TRAILERS.as_bytes());
             encoded.push(b'\n');
@@ -63,8 +77,13 @@ impl StoredResponse {
         }
         Self {
             status: status.as_u16(),
+            // What the client got: HTTP sends no body with these.
+            body: if carries_no_body(status) {
+                Bytes::new()
+            } else {
+                body
+            },
             headers: encoded,
-            body,
         }
     }
 
@@ -105,6 +124,9 @@ impl StoredResponse {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
         let (mut recorded, mut trailers) = decode_headers(&self.headers);
         let mut res = match self.not_kept() {
+            // Well-framed whatever was recorded (earlier versions kept a
+            // `204`'s body): no body where HTTP sends none.
+            None if carries_no_body(status) => Response::new(Bytes::new()),
             None => Response::new(self.body.clone()),
             // A gRPC answer has no problem body: a trailers-only answer,
             // `ALREADY_EXISTS` (the operation happened; its message is
@@ -184,8 +206,38 @@ pub(crate) struct Trailers(pub(crate) HeaderMap);
 /// finish a rolling upgrade before relying on replayed trailers.
 const TRAILERS: &str = ":trailers:";
 
-/// The headers that carry a trailers-only gRPC answer's status.
-const GRPC_STATUS_HEADERS: [&str; 3] = ["grpc-status", "grpc-message", "grpc-status-details-bin"];
+/// Headers that describe one attempt or its framing, never an answer:
+/// not recorded from a trailers-only gRPC answer's headers (and never
+/// part of a request's fingerprint, see
+/// `IdempotencyLayer::with_fingerprint_headers`).
+pub(crate) const PER_ATTEMPT_HEADERS: [&str; 13] = [
+    "date",
+    "traceparent",
+    "tracestate",
+    "baggage",
+    "x-request-id",
+    "x-correlation-id",
+    "set-cookie",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "te",
+    IDEMPOTENT_REPLAYED,
+    crate::expiry::IDEMPOTENCY_KEY_EXPIRES,
+];
+
+/// A status HTTP sends without a body (RFC 9110 §6.4.1): `1xx`, `204`,
+/// `304`.
+fn carries_no_body(status: StatusCode) -> bool {
+    status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+}
+
+/// A trailers-only gRPC answer: `grpc-status` in its headers.
+fn is_trailers_only(headers: &HeaderMap) -> bool {
+    crate::classify::is_grpc(headers) && headers.contains_key("grpc-status")
+}
 
 /// The line that marks an answer whose body was not kept, followed by the
 /// recording limit.

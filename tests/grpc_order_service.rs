@@ -245,6 +245,7 @@ e2e!(
     a_short_stock_answer_is_recorded_and_replayed_with_its_details,
     key_reuse_and_expiry_are_failed_precondition_with_their_reasons,
     an_in_flight_duplicate_gets_unavailable_with_pushback_within_its_timeout,
+    short_deadlines_get_unavailable_with_pushback_never_cancelled,
     unguarded_methods_and_bad_metadata,
     a_retrying_client_through_a_lossy_proxy_makes_each_order_once,
 );
@@ -328,6 +329,18 @@ async fn a_short_stock_answer_is_recorded_and_replayed_with_its_details<DB: Test
     assert_eq!(again.code(), first.code());
     assert_eq!(again.message(), first.message());
     assert_eq!(again.details(), first.details());
+    // Trailers-only, its custom metadata comes back too.
+    assert_eq!(
+        first
+            .metadata()
+            .get("x-reason")
+            .map(|v| v.to_str().unwrap()),
+        Some("stock")
+    );
+    assert_eq!(
+        again.metadata().get("x-reason"),
+        first.metadata().get("x-reason")
+    );
     assert_eq!(
         again
             .metadata()
@@ -411,6 +424,74 @@ async fn an_in_flight_duplicate_gets_unavailable_with_pushback_within_its_timeou
     assert!(replayed(&again));
     assert_eq!(again.into_inner(), first.into_inner());
     assert_eq!(svc.orders().await, 1);
+}
+
+/// A caller's deadline bounds everything the layer does for it: an
+/// in-flight duplicate with a 60 ms or 150 ms `grpc-timeout`, on this
+/// instance (the layer's own wait) or on another one (the store's lock and
+/// reads), gets `UNAVAILABLE` with a pushback from the layer, never tonic's
+/// own `CANCELLED` at the deadline; a deadline too short for any read (1 ms)
+/// is answered at once, and runs nothing. Judged by tonic's status, then
+/// by the orders committed.
+async fn short_deadlines_get_unavailable_with_pushback_never_cancelled<DB: TestDb>() {
+    let svc = Service::<DB>::start(3_000).await;
+    // A second instance of the service on the same database.
+    let (_other, other_addr) = common::start_example(
+        "grpc_order_service",
+        &["--addr", "127.0.0.1:0", "--handler-delay-ms", "3000"],
+        &[("DATABASE_URL", &svc.url)],
+    )
+    .await;
+    let other = endpoint(&other_addr).connect_lazy();
+    set_stock(svc.channel(), "A-10", 10).await;
+    let first = {
+        let channel = svc.channel();
+        tokio::spawn(async move { create(channel, "\"short-1\"", "alice", order("A-10", 1)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let with_deadline = |channel: Channel, key: &'static str, timeout: &'static str| async move {
+        call::<_, _, Order>(
+            channel,
+            orders::CREATE_ORDER,
+            order("A-10", 1),
+            &[
+                ("idempotency-key", key),
+                ("authorization", "Bearer alice"),
+                ("grpc-timeout", timeout),
+            ],
+        )
+        .await
+    };
+    for (instance, channel) in [("same", svc.channel()), ("other", other.clone())] {
+        for timeout in ["60m", "150m", "1m"] {
+            let status = with_deadline(channel.clone(), "\"short-1\"", timeout)
+                .await
+                .unwrap_err();
+            assert_eq!(
+                status.code(),
+                Code::Unavailable,
+                "{instance} instance, grpc-timeout {timeout}: {status:?}"
+            );
+            assert!(
+                status.metadata().get("grpc-retry-pushback-ms").is_some(),
+                "{instance} instance, grpc-timeout {timeout}: {status:?}"
+            );
+        }
+    }
+    // A new key with a deadline too short for any read: answered at once,
+    // nothing ran.
+    let status = with_deadline(other.clone(), "\"short-2\"", "1m")
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    let first = first.await.unwrap().unwrap();
+    let again = create(svc.channel(), "\"short-1\"", "alice", order("A-10", 1))
+        .await
+        .unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.into_inner(), first.into_inner());
+    assert_eq!(svc.orders().await, 1);
+    assert_eq!(svc.ledger().await, 1);
 }
 
 async fn unguarded_methods_and_bad_metadata<DB: TestDb>() {

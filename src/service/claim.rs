@@ -4,9 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{
-    Answer, IdempotencyOutcome, Identity, Run, add_expiry, refusal, store_problem, within,
-};
+use super::{Answer, IdempotencyOutcome, Identity, Run, add_expiry, refusal, store_problem};
 use crate::expiry::{is_expired, retention_ms};
 
 use crate::problem::{Problem, ProblemKind};
@@ -169,7 +167,21 @@ impl<DB: Backend> Run<DB> {
             isolation: cfg.isolation,
             cached_statements: cfg.cached_statements,
         };
-        let outcome = spawn_claim(conn, &claim, permit).await;
+        // The claim runs as its own task: a caller whose deadline comes
+        // first stops waiting for it (a lock wait on SQLite is its
+        // `busy_timeout`), and the task rolls back what nobody took.
+        let claiming = spawn_claim(conn, &claim, permit);
+        let outcome = match self.caller_deadline {
+            None => claiming.await,
+            Some(caller) => {
+                let left = caller.saturating_duration_since(Instant::now());
+                match tokio::time::timeout(left, claiming).await {
+                    Ok(outcome) => outcome,
+                    Err(_) if contended => return Ok(Attempt::Blocked),
+                    Err(_) => return Err(sqlx::Error::PoolTimedOut),
+                }
+            }
+        };
         match outcome {
             Ok(ClaimOutcome::Won(tx)) => Ok(Attempt::Won(tx)),
             Ok(ClaimOutcome::Lost(record)) => Ok(Attempt::Lost(record)),
@@ -191,10 +203,8 @@ impl<DB: Backend> Run<DB> {
         deadline: Instant,
         attempts: u32,
     ) -> Result<Option<Answer>, sqlx::Error> {
-        let wait = deadline
-            .saturating_duration_since(Instant::now())
-            .max(MIN_READ_WAIT);
-        let record = within(wait, DB::fetch(&self.pool, &id.scope)).await?;
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let record = self.within(wait, DB::fetch(&self.pool, &id.scope)).await?;
         Ok(record.map(|record| self.judge(&record, id, attempts)))
     }
 

@@ -1,6 +1,7 @@
 //! Running the handler on the claimed transaction, and keeping what its
 //! answer says to keep.
 
+use std::any::Any;
 use std::panic::resume_unwind;
 use std::time::{Duration, Instant};
 
@@ -12,16 +13,18 @@ use tower_service::Service;
 
 use super::claim::MIN_READ_WAIT;
 use super::{
-    BoxError, CatchUnwind, IdempotencyOutcome, Identity, Run, buffered, expiry_header,
-    read_response, refuse, store_problem, within,
+    BoxError, CatchUnwind, IdempotencyOutcome, Identity, ReadAnswer, Run, buffered, expiry_header,
+    read_response, refuse, store_problem,
 };
-use crate::body::IdempotencyBody;
+use crate::body::{Ending, IdempotencyBody, Settle, Settled};
 use crate::classify::Classification;
 use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, retention_ms};
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
+use crate::replay::StoredResponse;
 use crate::store::{
-    Backend, Claim, Claimed, Completion, FinishError, Record, RecordStatus, StoreErrorKind,
+    Backend, Claim, Claimed, Completion, FinishError, OwnedClaim, Record, RecordStatus,
+    StoreErrorKind,
 };
 use crate::tx::Tx;
 
@@ -35,6 +38,7 @@ impl<DB: Backend> Run<DB> {
         tx: Claimed<DB>,
         parts: Parts,
         body: Bytes,
+        hold: Box<dyn Any + Send>,
     ) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
     where
         S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>,
@@ -83,7 +87,6 @@ impl<DB: Backend> Run<DB> {
                 return Ok(refuse(problem, 1));
             }
         };
-        let res_parts = answer.parts();
         let class = answer.class();
         let outcome = IdempotencyOutcome::Executed(class);
         let status = match class {
@@ -96,10 +99,18 @@ impl<DB: Backend> Run<DB> {
                 return Ok(answer.into_response(outcome));
             }
         };
-        // An answer over the limit is recorded without its body: the
-        // operation it reports is never undone for its size.
+        // An answer over the limit streams on with its transaction open,
+        // and commits (without its body) once it ends well.
+        let answer = match answer {
+            ReadAnswer::Over {
+                parts,
+                prefix,
+                rest,
+            } => return Ok(self.settle_at_end(id, tx, parts, prefix, rest, class, hold)),
+            whole => whole,
+        };
         let stored = answer.stored(&self.config.recorded_headers, limit);
-        let completion = Completion::of(status, &stored, &res_parts.extensions);
+        let completion = Completion::of(status, &stored, &answer.parts().extensions);
         let committing = Instant::now();
         let finished = DB::finish(&self.pool, tx, &self.ledger_claim(id), &completion).await;
         observe::timing("commit_ms", committing.elapsed());
@@ -159,6 +170,81 @@ impl<DB: Backend> Run<DB> {
         }
     }
 
+    /// An answer streamed past the recording limit: the client gets it as
+    /// it streams, and its transaction stays open until its body ends
+    /// (within `max_stream_hold`). It commits, recorded without its body,
+    /// only if it ends well: a gRPC `OK` (or a final failure) in its
+    /// trailers, an HTTP body that finishes. A failed end (an `INTERNAL`,
+    /// a broken body, the bound) rolls everything back, so what commits is
+    /// what the client was told. `hold` (the key's local lead, the
+    /// principal's slot) lives until then.
+    #[allow(clippy::too_many_arguments)]
+    fn settle_at_end<B>(
+        &self,
+        id: &Identity<'_>,
+        tx: Claimed<DB>,
+        parts: http::response::Parts,
+        prefix: Bytes,
+        rest: std::pin::Pin<Box<B>>,
+        class: Classification,
+        hold: Box<dyn Any + Send>,
+    ) -> Response<IdempotencyBody<B>> {
+        let limit = self.config.max_response_body;
+        let stored = StoredResponse::capture_not_kept(
+            parts.status,
+            &parts.headers,
+            &self.config.recorded_headers,
+            limit,
+        );
+        let claim = OwnedClaim::new(&self.ledger_claim(id));
+        // What the answer is sorted by once its trailers are known: its
+        // head, and the handler's mark or resource id.
+        let (mut head, ()) = Response::new(()).into_parts();
+        head.status = parts.status;
+        head.headers = parts.headers.clone();
+        if let Some(mark) = parts.extensions.get::<Classification>() {
+            head.extensions.insert(*mark);
+        }
+        if let Some(resource) = parts.extensions.get::<crate::ResourceId>() {
+            head.extensions.insert(resource.clone());
+        }
+        let pool = self.pool.clone();
+        let settle: Settle = Box::new(move |ending| {
+            let class = match ending {
+                Ending::Finished(trailers) => {
+                    Some(Classification::of_answer(&head, trailers, true))
+                }
+                Ending::Broken => None,
+            };
+            Box::pin(async move {
+                let _hold = hold;
+                let status = match class {
+                    Some(Classification::Success) => RecordStatus::Succeeded,
+                    Some(Classification::FinalFailure) => RecordStatus::FailedFinal,
+                    _ => {
+                        tx.rollback().await;
+                        return Settled::RolledBack;
+                    }
+                };
+                let completion = Completion::of(status, &stored, &head.extensions);
+                match DB::finish(&pool, tx, &claim.as_claim(), &completion).await {
+                    Ok(_) => Settled::Committed,
+                    Err(e) => {
+                        tracing::warn!(error = ?e, "an answer streamed past the recording limit could not be committed");
+                        Settled::Failed
+                    }
+                }
+            })
+        });
+        let grpc = crate::classify::is_grpc(&parts.headers);
+        let body =
+            IdempotencyBody::settling(prefix, rest, settle, grpc, self.config.max_stream_hold);
+        let mut res = Response::from_parts(parts, body);
+        res.extensions_mut()
+            .insert(IdempotencyOutcome::Executed(class));
+        res
+    }
+
     /// Rolls the claimed transaction back and waits for it, so the key's row
     /// lock is released before the answer leaves (a queued rollback could
     /// leave the next retry waiting). Returns the answer to give instead
@@ -207,10 +293,14 @@ impl<DB: Backend> Run<DB> {
             // A read that fails proves nothing: asked once more, then a
             // retryable refusal with the key left as it is (a committed
             // row of this claim, if any, holds it by itself).
-            let mut read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+            let mut read = self
+                .within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope))
+                .await;
             if read.is_err() {
-                tokio::time::sleep(MIN_READ_WAIT).await;
-                read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+                tokio::time::sleep(self.read_bound(MIN_READ_WAIT)).await;
+                read = self
+                    .within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope))
+                    .await;
             }
             // A default-mode row (no lease) with this request's
             // fingerprint, committed unsettled: this claim's row.
@@ -249,7 +339,9 @@ impl<DB: Backend> Run<DB> {
         e: &sqlx::Error,
     ) -> Response<IdempotencyBody<B>> {
         tracing::warn!(error = %e, "the claimed transaction was rolled back by the database");
-        let read = within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope)).await;
+        let read = self
+            .within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope))
+            .await;
         self.answer_after_rollback(id, read)
     }
 

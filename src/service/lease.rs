@@ -13,7 +13,7 @@ use tower_service::Service;
 use super::claim::{MIN_READ_WAIT, Pending, backoff};
 use super::{
     Answer, BoxError, CatchUnwind, Identity, ReadAnswer, Run, buffered, read_response, refusal,
-    refuse, store_problem, within,
+    refuse, store_problem,
 };
 use crate::body::IdempotencyBody;
 use crate::expiry::retention_ms;
@@ -88,7 +88,7 @@ impl<DB: Backend> Run<DB> {
                 lease_ms: mode.lease_ms(),
                 claim_id: claim_id.clone(),
             };
-            let won = spawn_owning(self.pool.clone(), owning, left.max(MIN_READ_WAIT)).await;
+            let won = spawn_owning(self.pool.clone(), owning, self.read_bound(left)).await;
             match won {
                 Ok(true) => {
                     let fresh = LeaseState {
@@ -131,10 +131,8 @@ impl<DB: Backend> Run<DB> {
         deadline: Instant,
         attempts: u32,
     ) -> Lookup<DB> {
-        let wait = deadline
-            .saturating_duration_since(Instant::now())
-            .max(MIN_READ_WAIT);
-        let record = match within(wait, DB::fetch(&self.pool, &id.scope)).await {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let record = match self.within(wait, DB::fetch(&self.pool, &id.scope)).await {
             Ok(Some(record)) => record,
             // Deleted in between (a rejected request): claim again.
             Ok(None) => return Lookup::Wait,
@@ -156,7 +154,7 @@ impl<DB: Backend> Run<DB> {
             lease_ms: mode.lease_ms(),
             parked: false,
         };
-        match spawn_owning(self.pool.clone(), owning, wait).await {
+        match spawn_owning(self.pool.clone(), owning, self.read_bound(wait)).await {
             Ok(true) => {}
             // Another attempt took it first: wait on its lease.
             Ok(false) => return Lookup::Wait,
@@ -165,7 +163,7 @@ impl<DB: Backend> Run<DB> {
         // The state at the generation just taken, read after the takeover:
         // a write of the earlier owner can have landed since the read above.
         let generation = lease.generation + 1;
-        let saved = match within(wait, DB::fetch(&self.pool, &id.scope)).await {
+        let saved = match self.within(wait, DB::fetch(&self.pool, &id.scope)).await {
             Ok(record) => record.and_then(|r| r.lease),
             Err(e) => {
                 // Won, but unusable: no lease is left without its owner.

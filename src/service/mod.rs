@@ -137,6 +137,7 @@ where
         let run = Run {
             pool: self.pool.clone(),
             config: Arc::clone(&self.config),
+            caller_deadline: None,
         };
         let grpc = crate::classify::is_grpc(req.headers());
         let guarded = async move {
@@ -168,7 +169,7 @@ fn buffered<B>(res: Response<Bytes>, outcome: IdempotencyOutcome) -> Response<Id
 
 /// A whole answer's body for the client: its bytes, then the trailers it
 /// carries (as read, or as recorded).
-fn buffered_body<B>(mut res: Response<Bytes>) -> Response<IdempotencyBody<B>> {
+pub(crate) fn buffered_body<B>(mut res: Response<Bytes>) -> Response<IdempotencyBody<B>> {
     let trailers = res.extensions_mut().remove::<Trailers>().map(|t| t.0);
     res.map(|body| IdempotencyBody::buffered_with(body, trailers))
 }
@@ -246,7 +247,17 @@ struct Identity<'a> {
 struct Run<DB: Backend> {
     pool: Pool<DB>,
     config: Arc<Config>,
+    /// When the layer's work for a gRPC caller must be done by: three
+    /// quarters of its `grpc-timeout`, so that the layer's own answer
+    /// reaches the caller before its deadline does. Every wait and store
+    /// read of the layer ends by then.
+    caller_deadline: Option<Instant>,
 }
+
+/// A gRPC caller whose deadline leaves the layer less than this is
+/// answered at once (`UNAVAILABLE`, `#store-busy`, with a pushback): no
+/// store read fits in it.
+pub(super) const MIN_CALLER_BUDGET: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl<DB: Backend> Run<DB> {
     async fn guarded<S, ReqBody, ResBody>(
@@ -289,6 +300,22 @@ impl<DB: Backend> Run<DB> {
         let Some(principal) = principal else {
             return Ok(refuse(Problem::missing_principal(), 0));
         };
+        // A gRPC caller's own deadline bounds everything the layer does for
+        // it: three quarters of it, so the refusal (with its pushback)
+        // reaches the caller before its deadline does (tonic's server ends
+        // the call itself at the deadline, with a `CANCELLED` that says
+        // nothing of the key). A deadline too short for any read is
+        // answered at once.
+        let caller_budget = crate::grpc::timeout(&parts.headers).map(|t| t - t / 4);
+        if caller_budget.is_some_and(|b| b < MIN_CALLER_BUDGET) {
+            let detail = "the call's deadline (grpc-timeout) leaves no time to read the idempotency store; nothing was executed, retry with the same key and a longer deadline";
+            return Ok(refuse(
+                Problem::new(ProblemKind::StoreBusy, detail).retry_after(1),
+                0,
+            ));
+        }
+        self.caller_deadline = caller_budget.map(|b| Instant::now() + b);
+        let cfg = &self.config;
         let body = match read_body(&parts.headers, body, cfg.max_request_body).await {
             Ok(body) => body,
             Err(problem) => return Ok(refuse(problem, 0)),
@@ -332,14 +359,8 @@ impl<DB: Backend> Run<DB> {
             },
             fingerprint,
         };
-        // A gRPC caller's own deadline bounds the wait too: three quarters
-        // of it, so the refusal (with its pushback) reaches the caller
-        // before its deadline does (tonic's server ends the call itself at
-        // the deadline, with a `CANCELLED` that says nothing of the key),
-        // and never below what a claim needs to get a connection and read.
-        let in_flight_wait = crate::grpc::timeout(&parts.headers).map_or(cfg.in_flight_wait, |t| {
-            (t - t / 4)
-                .max(claim::MIN_READ_WAIT)
+        let in_flight_wait = self.caller_deadline.map_or(cfg.in_flight_wait, |d| {
+            d.saturating_duration_since(Instant::now())
                 .min(cfg.in_flight_wait)
         });
         if let Some(mode) = lease_mode {
@@ -378,7 +399,13 @@ impl<DB: Backend> Run<DB> {
         };
         observe::timing("claim_ms", claiming.elapsed());
         match claimed {
-            Claimed::Won(tx) => self.execute(inner, &id, tx, parts, body).await,
+            Claimed::Won(tx) => {
+                // The answer may settle after this returns (streamed past
+                // the recording limit): the key's local lead and the
+                // principal's slot live until it does.
+                let hold: Box<dyn std::any::Any + Send> = Box::new((local, _slot));
+                self.execute(inner, &id, tx, parts, body, hold).await
+            }
             Claimed::Answer((res, outcome)) => Ok(buffered(res, outcome)),
         }
     }
@@ -449,14 +476,34 @@ where
     }
 }
 
-/// A store call bounded by `wait`; running out is a busy store.
-pub(super) async fn within<T>(
-    wait: std::time::Duration,
-    call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
-) -> Result<T, sqlx::Error> {
-    tokio::time::timeout(wait.max(claim::MIN_READ_WAIT), call)
-        .await
-        .unwrap_or(Err(sqlx::Error::PoolTimedOut))
+impl<DB: Backend> Run<DB> {
+    /// How long a store read may take when `wait` is left of a bound: at
+    /// least [`MIN_READ_WAIT`](claim::MIN_READ_WAIT) (a lost claim must
+    /// still be explained), never past the caller's deadline.
+    pub(super) fn read_bound(&self, wait: std::time::Duration) -> std::time::Duration {
+        let wait = wait.max(claim::MIN_READ_WAIT);
+        match self.caller_deadline {
+            Some(deadline) => wait.min(deadline.saturating_duration_since(Instant::now())),
+            None => wait,
+        }
+    }
+
+    /// A store call bounded by [`read_bound`](Self::read_bound)`(wait)`;
+    /// running out is a busy store, and a call with no time left is not
+    /// started.
+    pub(super) async fn within<T>(
+        &self,
+        wait: std::time::Duration,
+        call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, sqlx::Error> {
+        let wait = self.read_bound(wait);
+        if wait.is_zero() {
+            return Err(sqlx::Error::PoolTimedOut);
+        }
+        tokio::time::timeout(wait, call)
+            .await
+            .unwrap_or(Err(sqlx::Error::PoolTimedOut))
+    }
 }
 
 /// Buffers the handler's answer for recording, up to `limit` bytes.
@@ -472,7 +519,7 @@ pub(super) enum ReadAnswer<B> {
 }
 
 impl<B> ReadAnswer<B> {
-    fn parts(&self) -> &http::response::Parts {
+    pub(super) fn parts(&self) -> &http::response::Parts {
         match self {
             Self::Whole(parts, _) => parts,
             Self::Over { parts, .. } => parts,
@@ -487,7 +534,7 @@ impl<B> ReadAnswer<B> {
 
     /// What the ledger keeps of it: the whole answer, or (over `limit`)
     /// its status and headers with the mark that its body was not kept.
-    fn stored(&self, allow: &[http::HeaderName], limit: usize) -> StoredResponse {
+    pub(super) fn stored(&self, allow: &[http::HeaderName], limit: usize) -> StoredResponse {
         match self {
             Self::Whole(parts, body) => StoredResponse::capture(
                 parts.status,

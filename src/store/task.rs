@@ -167,7 +167,7 @@ impl OwnedClaim {
         }
     }
 
-    fn as_claim(&self) -> Claim<'_> {
+    pub(crate) fn as_claim(&self) -> Claim<'_> {
         Claim {
             scope: Scope {
                 principal: &self.principal,

@@ -1940,6 +1940,42 @@ pub async fn the_key_status_look_up_says_where_a_key_stands<DB: ConformanceDb>(h
     assert_eq!(h.ledger().await, 3, "and store nothing");
 }
 
+/// Case: the key-status look-up's `answer=true` is the recorded answer as
+/// a replay gives it, trailers included: an HTTP answer's, and a gRPC
+/// answer's `grpc-status`.
+pub async fn the_key_status_answer_is_the_replay_trailers_included<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let layer = h.layer();
+    let app = h.app_with(layer.clone()).route_service(
+        "/idempotency-keys",
+        axum::routing::any_service(layer.key_status()),
+    );
+    let look = |key: &'static str| {
+        http::Request::get("/idempotency-keys?operation=POST%20%2Forders&answer=true")
+            .header("authorization", "Bearer user-42")
+            .header("idempotency-key", key)
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
+    for (key, mode) in [("\"http-1\"", "trailers"), ("\"grpc-1\"", "grpc_0")] {
+        let body = format!(r#"{{"amount":12000,"items":[],"mode":"{mode}"}}"#);
+        let first = send(&app, order(ALICE, Some(key), &body)).await;
+        assert!(first.trailers.is_some(), "{mode}: {first:?}");
+        let replay = send(&app, order(ALICE, Some(key), &body)).await;
+        assert!(replay.replayed(), "{mode}: {replay:?}");
+        let looked = send(&app, look(key)).await;
+        assert!(looked.replayed(), "{mode}: {looked:?}");
+        assert_eq!(looked.status, replay.status, "{mode}");
+        assert_eq!(looked.body, replay.body, "{mode}");
+        assert_eq!(looked.trailers, replay.trailers, "{mode}: {looked:?}");
+        assert_eq!(looked.trailers, first.trailers, "{mode}");
+    }
+    assert_eq!(h.executions(), 2, "look-ups run nothing");
+    assert_eq!(h.orders().await, 2);
+    assert_eq!(h.ledger().await, 2);
+}
+
 /// Case: with `Api-Version` fingerprinted, a retry under the same version
 /// replays, and one under another version (or without the header) is
 /// another request: refused as a reused key, never run, never replayed.
@@ -2006,6 +2042,50 @@ pub async fn a_grpc_answer_over_the_recording_limit_replays_as_already_exists<DB
     assert!(retry.trailers.is_none(), "trailers-only: no trailers");
     assert_eq!(h.executions(), 1, "never run again");
     assert_eq!(h.orders().await, 1);
+}
+
+/// Case: an answer streamed past the recording limit that then fails (a
+/// gRPC `INTERNAL` in its trailers, an HTTP body that breaks) commits
+/// nothing: the client was told it failed, so its order is rolled back and
+/// no ledger row is left; the retry runs afresh. What commits agrees with
+/// what the client was told.
+pub async fn an_answer_that_fails_past_the_recording_limit_commits_nothing<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    use http_body_util::BodyExt;
+    let app = h.app();
+    let grpc = r#"{"amount":12000,"items":[],"mode":"big_grpc_internal"}"#;
+    let first = send(&app, order(ALICE, KEY, grpc)).await;
+    assert_eq!(first.body.len(), 2 * 1024 * 1024, "the whole message");
+    let told = first.trailers.as_ref().expect("the answer's trailers");
+    assert_eq!(told["grpc-status"], "13", "{told:?}");
+    assert_eq!(h.orders().await, 0, "told INTERNAL: no order");
+    assert_eq!(h.ledger().await, 0, "and no ledger row");
+    let retry = send(&app, order(ALICE, KEY, grpc)).await;
+    assert!(
+        !retry.replayed(),
+        "the retry runs afresh: {:?}",
+        retry.headers
+    );
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.orders().await, 0);
+    assert_eq!(h.ledger().await, 0);
+
+    // HTTP: the body breaks after the limit.
+    use tower::ServiceExt;
+    let broken = r#"{"amount":12000,"items":[],"mode":"big_broken"}"#;
+    let key = Some("\"broken-1\"");
+    let res = app
+        .clone()
+        .oneshot(order(ALICE, key, broken))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    let read = res.into_body().collect().await;
+    assert!(read.is_err(), "the client sees the stream break");
+    assert_eq!(h.orders().await, 0, "a broken answer: no order");
+    assert_eq!(h.ledger().await, 0, "and no ledger row");
+    assert_eq!(h.executions(), 3);
 }
 
 /// Case: an answer's trailers reach the client on the first answer, are
@@ -2090,6 +2170,58 @@ pub async fn grpc_answers_are_sorted_by_their_grpc_status<DB: ConformanceDb>(h: 
     assert_eq!(h.orders().await, 1);
     assert_eq!(h.ledger().await, 3);
     assert_eq!(h.executions(), 1 + 1 + 1 + 2 * 2, "replays ran nothing");
+}
+
+/// Case: a trailers-only gRPC answer (what tonic sends for every
+/// `Err(Status)`) is replayed whole: its headers are its trailers, custom
+/// metadata (`x-reason`) included, as an answer's trailers are.
+pub async fn a_trailers_only_grpc_answer_replays_its_metadata<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app();
+    let body = r#"{"amount":12000,"items":[],"mode":"grpconly_9"}"#;
+    let first = send(&app, order(ALICE, KEY, body)).await;
+    assert_eq!(first.headers["grpc-status"], "9", "{first:?}");
+    assert_eq!(first.headers["x-reason"], "stock", "{first:?}");
+    assert_eq!(h.ledger_with("FAILED_FINAL").await, 1);
+    let replay = send(&app, order(ALICE, KEY, body)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    for name in ["content-type", "grpc-status", "grpc-message", "x-reason"] {
+        assert_eq!(
+            replay.headers.get(name),
+            first.headers.get(name),
+            "{name}: {replay:?}"
+        );
+    }
+    assert!(replay.body.is_empty(), "trailers-only: {replay:?}");
+    assert!(replay.trailers.is_none(), "trailers-only: {replay:?}");
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 0);
+    assert_eq!(h.ledger().await, 1);
+}
+
+/// Case: a replay is well-framed for every status: a `204` the handler
+/// gave a body replays with no body and no `Content-Length` of one (HTTP
+/// sends no body with a `204`, and the first client got none).
+pub async fn a_replay_is_well_framed_for_every_status<DB: ConformanceDb>(h: Harness<DB>) {
+    let app = h.app();
+    let body = r#"{"amount":12000,"items":[],"mode":"no_content_with_body"}"#;
+    let first = send(&app, order(ALICE, KEY, body)).await;
+    assert_eq!(first.status, StatusCode::NO_CONTENT, "{first:?}");
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+    let replay = send(&app, order(ALICE, KEY, body)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.status, StatusCode::NO_CONTENT);
+    assert!(replay.body.is_empty(), "{replay:?}");
+    // The layer sends none; axum's router (in-process, as here) sets one
+    // from the body's exact size, which must then be the body's: `0`.
+    assert!(
+        replay
+            .headers
+            .get("content-length")
+            .is_none_or(|v| v == "0"),
+        "a Content-Length that agrees with no body: {replay:?}"
+    );
+    assert_eq!(h.executions(), 1);
+    assert_eq!(h.orders().await, 1);
 }
 
 /// Case: a gRPC request gets the layer's refusals as trailers-only gRPC

@@ -209,6 +209,33 @@ impl futures_core::Stream for Chunks {
     }
 }
 
+/// `left` copies of `chunk`, then trailers (`Some`) or a failure (`None`).
+struct ChunksThen {
+    chunk: Bytes,
+    left: usize,
+    end: Option<Option<HeaderMap>>,
+}
+
+impl http_body::Body for ChunksThen {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        if self.left > 0 {
+            self.left -= 1;
+            return std::task::Poll::Ready(Some(Ok(http_body::Frame::data(self.chunk.clone()))));
+        }
+        std::task::Poll::Ready(match self.end.take() {
+            Some(Some(trailers)) => Some(Ok(http_body::Frame::trailers(trailers))),
+            Some(None) => Some(Err(std::io::Error::other("the answer broke mid-stream"))),
+            None => None,
+        })
+    }
+}
+
 async fn create_order<DB: ConformanceDb>(
     State(st): State<AppState<DB>>,
     headers: HeaderMap,
@@ -296,6 +323,8 @@ async fn create_order<DB: ConformanceDb>(
                     ("content-type", "application/grpc".to_string()),
                     ("grpc-status", code),
                     ("grpc-message", "stock%20short".to_string()),
+                    // Custom metadata, as `Status::with_metadata` sends it.
+                    ("x-reason", "stock".to_string()),
                 ],
             )
                 .into_response();
@@ -357,11 +386,14 @@ async fn create_order<DB: ConformanceDb>(
             )
                 .into_response();
         }
-        // The same, as a gRPC answer (a long server reply).
+        // The same, as a gRPC answer (a long server reply), ending `OK`.
         "big_grpc" => {
-            let chunks = Chunks {
+            let mut trailers = HeaderMap::new();
+            trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+            let body = ChunksThen {
                 chunk: Bytes::from(vec![b'x'; 64 * 1024]),
                 left: 32,
+                end: Some(Some(trailers)),
             };
             return (
                 StatusCode::OK,
@@ -369,7 +401,39 @@ async fn create_order<DB: ConformanceDb>(
                     ("location", format!("/orders/{id}")),
                     ("content-type", "application/grpc".to_string()),
                 ],
-                axum::body::Body::from_stream(chunks),
+                axum::body::Body::new(body),
+            )
+                .into_response();
+        }
+        // A `204` with a body (which HTTP does not send).
+        "no_content_with_body" => {
+            return (StatusCode::NO_CONTENT, "hello").into_response();
+        }
+        // 2 MiB over the recording limit, then a failure: a gRPC
+        // `INTERNAL` in the trailers, or a broken HTTP body.
+        "big_grpc_internal" | "big_broken" => {
+            let grpc = req.mode == "big_grpc_internal";
+            let end = if grpc {
+                let mut trailers = HeaderMap::new();
+                trailers.insert("grpc-status", http::HeaderValue::from_static("13"));
+                Some(trailers)
+            } else {
+                None
+            };
+            let body = ChunksThen {
+                chunk: Bytes::from(vec![b'x'; 64 * 1024]),
+                left: 32,
+                end: Some(end),
+            };
+            let (status, content_type) = if grpc {
+                (StatusCode::OK, "application/grpc")
+            } else {
+                (StatusCode::CREATED, "application/octet-stream")
+            };
+            return (
+                status,
+                [("content-type", content_type)],
+                axum::body::Body::new(body),
             )
                 .into_response();
         }
@@ -745,13 +809,17 @@ macro_rules! conformance_suite {
             dropped_futures_leave_a_clean_connection,
             an_answer_over_the_recording_limit_commits_once_and_never_runs_again,
             a_grpc_answer_over_the_recording_limit_replays_as_already_exists,
+            an_answer_that_fails_past_the_recording_limit_commits_nothing,
             trailers_are_recorded_and_replayed,
             grpc_answers_are_sorted_by_their_grpc_status,
+            a_trailers_only_grpc_answer_replays_its_metadata,
+            a_replay_is_well_framed_for_every_status,
             grpc_requests_get_trailers_only_grpc_refusals,
             a_grpc_timeout_bounds_the_wait_for_an_in_flight_duplicate,
             fingerprinted_headers_tell_versions_apart,
             policies_give_records_their_own_retention_and_limits,
             the_key_status_look_up_says_where_a_key_stands,
+            the_key_status_answer_is_the_replay_trailers_included,
             a_handler_that_deletes_its_ledger_row_commits_nothing,
             lease_first_payment_charges_once_and_replays,
             lease_charge_then_dropped_attempt_resumes_without_a_second_charge,
