@@ -348,7 +348,7 @@ impl ConformanceDb for sqlx::Postgres {
 
     async fn seed_expired(pool: &Pool<Self>, n: u32) {
         let sql = format!(
-            "INSERT INTO idempotency_records SELECT 'bulk', 'op', 'k' || g, '\\x00', \
+            "INSERT INTO idempotency_records SELECT 'bulk', 'op', 'k' || g, decode('00', 'hex'), \
              'SUCCEEDED', 201, NULL, 'stored response body', NULL, 0, 1 \
              FROM generate_series(1, {n}) AS g"
         );

@@ -32,7 +32,7 @@ pub async fn first_request_commits_order_and_succeeded_row<DB: ConformanceDb>(h:
     assert_eq!(h.orders().await, 1);
     assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
     assert_eq!(h.ledger().await, 1);
-    let resource: String = DB::count(&h.pool, "SELECT COUNT(*) FROM idempotency_records WHERE resource_id IS NOT NULL AND response_body IS NOT NULL AND response_status = 201").await.to_string();
+    let resource: String = DB::count(h.plain(), "SELECT COUNT(*) FROM idempotency_records WHERE resource_id IS NOT NULL AND response_body IS NOT NULL AND response_status = 201").await.to_string();
     assert_eq!(resource, "1");
 }
 
@@ -267,8 +267,8 @@ pub async fn handler_rejection_rolls_back_and_key_stays_usable<DB: ConformanceDb
 pub async fn final_business_error_records_failed_final_without_partial_writes<DB: ConformanceDb>(
     h: Harness<DB>,
 ) {
-    DB::set_stock(&h.pool, "A-10", 5).await;
-    DB::set_stock(&h.pool, "B-20", 1).await;
+    DB::set_stock(h.plain(), "A-10", 5).await;
+    DB::set_stock(h.plain(), "B-20", 1).await;
     let app = h.app();
     // A-10 is taken (a partial write), then B-20 is short: final error.
     let body = r#"{"amount":12000,"items":[{"sku":"A-10","qty":2},{"sku":"B-20","qty":3}]}"#;
@@ -280,22 +280,22 @@ pub async fn final_business_error_records_failed_final_without_partial_writes<DB
     );
     assert_eq!(h.orders().await, 0, "no partial order");
     assert_eq!(
-        DB::stock(&h.pool, "A-10").await,
+        DB::stock(h.plain(), "A-10").await,
         5,
         "no partial stock change"
     );
-    assert_eq!(DB::stock(&h.pool, "B-20").await, 1);
+    assert_eq!(DB::stock(h.plain(), "B-20").await, 1);
     assert_eq!(h.ledger_with("FAILED_FINAL").await, 1);
     assert_eq!(h.ledger().await, 1);
     // The retry replays the same error, even after a restock.
-    DB::set_stock(&h.pool, "B-20", 10).await;
+    DB::set_stock(h.plain(), "B-20", 10).await;
     let retry = send(&app, order(ALICE, KEY, body)).await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
     assert_eq!(retry.body, first.body);
     assert!(retry.replayed());
     assert_eq!(h.executions(), 1);
     assert_eq!(h.orders().await, 0);
-    assert_eq!(DB::stock(&h.pool, "B-20").await, 10);
+    assert_eq!(DB::stock(h.plain(), "B-20").await, 10);
 }
 
 /// Case: server error rolls back and retry runs afresh.
@@ -406,13 +406,13 @@ pub async fn expired_record_is_refused_with_410<DB: ConformanceDb>(h: Harness<DB
     let app = h.app();
     let first = send(&app, order(ALICE, KEY, BODY)).await;
     let id = first.json()["orderId"].as_i64().unwrap().to_string();
-    DB::exec(&h.pool, "UPDATE idempotency_records SET expires_at = 1").await;
+    DB::exec(h.plain(), "UPDATE idempotency_records SET expires_at = 1").await;
     let late = send(&app, order(ALICE, KEY, BODY)).await;
     assert_eq!(late.status, StatusCode::GONE);
     assert_eq!(late.problem(), "expired");
     assert_eq!(late.json()["resource_id"], id.as_str());
     // A tombstone is refused too, whatever the payload.
-    DB::exec(&h.pool, "UPDATE idempotency_records SET status = 'EXPIRED', response_body = NULL, response_headers = NULL, expires_at = 9000000000000").await;
+    DB::exec(h.plain(), "UPDATE idempotency_records SET status = 'EXPIRED', response_body = NULL, response_headers = NULL, expires_at = 9000000000000").await;
     let changed = send(&app, order(ALICE, KEY, r#"{"amount":1}"#)).await;
     assert_eq!(changed.status, StatusCode::GONE);
     assert_eq!(h.executions(), 1);
@@ -422,7 +422,7 @@ pub async fn expired_record_is_refused_with_410<DB: ConformanceDb>(h: Harness<DB
 
 /// Acceptance 3 at scale: 50 callers, one key, one execution.
 pub async fn fifty_concurrent_duplicates_execute_once<DB: ConformanceDb>(h: Harness<DB>) {
-    DB::set_stock(&h.pool, "A-10", 100).await;
+    DB::set_stock(h.plain(), "A-10", 100).await;
     let app = h.app();
     let body = r#"{"amount":12000,"items":[{"sku":"A-10","qty":1}],"sleep_ms":50}"#;
     let tasks: Vec<_> = (0..50)
@@ -437,7 +437,7 @@ pub async fn fifty_concurrent_duplicates_execute_once<DB: ConformanceDb>(h: Harn
     }
     assert_eq!(h.executions(), 1, "exactly one execution");
     assert_eq!(h.orders().await, 1);
-    assert_eq!(DB::stock(&h.pool, "A-10").await, 99, "one stock decrement");
+    assert_eq!(DB::stock(h.plain(), "A-10").await, 99, "one stock decrement");
     assert_eq!(h.ledger().await, 1);
     let created: Vec<_> = answers
         .iter()
@@ -578,7 +578,7 @@ pub async fn longest_retention_still_records_and_replays<DB: ConformanceDb>(h: H
 pub async fn answers_advertise_the_key_expiry<DB: ConformanceDb>(h: Harness<DB>) {
     let app = h.app_with(h.layer().with_resource_link(|id| format!("/orders/{id}")));
     let first = send(&app, order(ALICE, KEY, BODY)).await;
-    let expires_at = DB::count(&h.pool, "SELECT expires_at FROM idempotency_records").await;
+    let expires_at = DB::count(h.plain(), "SELECT expires_at FROM idempotency_records").await;
     assert_eq!(
         first.headers["idempotency-key-expires"],
         http_date(expires_at).as_str()
@@ -590,12 +590,12 @@ pub async fn answers_advertise_the_key_expiry<DB: ConformanceDb>(h: Harness<DB>)
         first.headers["idempotency-key-expires"]
     );
     // About 24 hours ahead by default.
-    let created = DB::count(&h.pool, "SELECT created_at FROM idempotency_records").await;
+    let created = DB::count(h.plain(), "SELECT created_at FROM idempotency_records").await;
     assert_eq!(expires_at - created, 24 * 60 * 60 * 1000);
     // Unrecorded answers promise nothing.
     let rejected = send(&app, order(ALICE, Some("neg"), r#"{"amount":-1}"#)).await;
     assert!(rejected.headers.get("idempotency-key-expires").is_none());
-    DB::exec(&h.pool, "UPDATE idempotency_records SET expires_at = 1").await;
+    DB::exec(h.plain(), "UPDATE idempotency_records SET expires_at = 1").await;
     let late = send(&app, order(ALICE, KEY, BODY)).await;
     assert_eq!(late.status, StatusCode::GONE);
     let id = first.json()["orderId"].as_i64().unwrap();
@@ -626,13 +626,13 @@ pub async fn hashed_keys_keep_the_guarantees<DB: ConformanceDb>(h: Harness<DB>) 
     assert_eq!(h.executions(), 2);
     assert_eq!(h.orders().await, 2);
     let raw = DB::count(
-        &h.pool,
+        h.plain(),
         "SELECT COUNT(*) FROM idempotency_records WHERE idem_key LIKE '%example.com%'",
     )
     .await;
     assert_eq!(raw, 0, "no raw key stored");
     let hashed = DB::count(
-        &h.pool,
+        h.plain(),
         "SELECT COUNT(*) FROM idempotency_records WHERE idem_key LIKE 'sha256:%'",
     )
     .await;
@@ -645,7 +645,7 @@ pub async fn hashed_keys_keep_the_guarantees<DB: ConformanceDb>(h: Harness<DB>) 
 pub async fn sweep_tombstones_expired_rows_and_purges_them_later<DB: ConformanceDb>(
     h: Harness<DB>,
 ) {
-    DB::set_stock(&h.pool, "A-10", 1).await;
+    DB::set_stock(h.plain(), "A-10", 1).await;
     let app = h.app();
     let k1 = send(&app, order(ALICE, Some("k1"), BODY)).await;
     send(&app, order(ALICE, Some("k2"), BODY)).await;
@@ -654,12 +654,12 @@ pub async fn sweep_tombstones_expired_rows_and_purges_them_later<DB: Conformance
     assert_eq!(k3.status, StatusCode::CONFLICT);
     // k2 is kept for centuries; k1 and k3 have the default 24 hours.
     DB::exec(
-        &h.pool,
+        h.plain(),
         "UPDATE idempotency_records SET expires_at = 9000000000000 WHERE idem_key = 'k2'",
     )
     .await;
     // A committed PROCESSING row long past its expiry (lease-style): untouchable by time.
-    DB::exec(&h.pool, "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) VALUES ('user-42', 'POST /orders', 'stuck', '\\x00', 'PROCESSING', 0, 1)").await;
+    DB::exec(h.plain(), "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) VALUES ('user-42', 'POST /orders', 'stuck', '\\x00', 'PROCESSING', 0, 1)").await;
 
     let sweeper = Sweeper::new(h.pool.clone()).with_batch_size(1);
     let day = Duration::from_secs(24 * 3600);
@@ -677,12 +677,12 @@ pub async fn sweep_tombstones_expired_rows_and_purges_them_later<DB: Conformance
     assert_eq!(h.ledger_with("EXPIRED").await, 2);
     assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
     assert_eq!(h.ledger_with("PROCESSING").await, 1);
-    let kept = DB::count(&h.pool, "SELECT COUNT(*) FROM idempotency_records WHERE status = 'EXPIRED' AND response_body IS NULL AND response_headers IS NULL AND request_fingerprint IS NOT NULL").await;
+    let kept = DB::count(h.plain(), "SELECT COUNT(*) FROM idempotency_records WHERE status = 'EXPIRED' AND response_body IS NULL AND response_headers IS NULL AND request_fingerprint IS NOT NULL").await;
     assert_eq!(
         kept, 2,
         "tombstones drop the response, keep the fingerprint"
     );
-    let with_resource = DB::count(&h.pool, "SELECT COUNT(*) FROM idempotency_records WHERE status = 'EXPIRED' AND resource_id IS NOT NULL").await;
+    let with_resource = DB::count(h.plain(), "SELECT COUNT(*) FROM idempotency_records WHERE status = 'EXPIRED' AND resource_id IS NOT NULL").await;
     assert_eq!(with_resource, 1, "k1's resource id survives");
     // The tombstone refuses the key and names the resource.
     let late = send(&app, order(ALICE, Some("k1"), BODY)).await;
@@ -709,7 +709,7 @@ pub async fn sweep_tombstones_expired_rows_and_purges_them_later<DB: Conformance
     assert_eq!(h.orders().await, 2, "sweeping never touches business rows");
     // "Keep tombstones forever" works: the purge time does not overflow.
     DB::exec(
-        &h.pool,
+        h.plain(),
         "UPDATE idempotency_records SET expires_at = 1 WHERE idem_key = 'k2'",
     )
     .await;
@@ -840,7 +840,7 @@ pub async fn long_principals_are_scoped_by_their_hash<DB: ConformanceDb>(h: Harn
     assert_eq!(h.executions(), 2);
     assert_eq!(h.ledger().await, 2);
     let hashed = DB::count(
-        &h.pool,
+        h.plain(),
         "SELECT COUNT(*) FROM idempotency_records WHERE principal_id LIKE 'sha256:%'",
     )
     .await;
@@ -1236,8 +1236,8 @@ pub async fn handler_that_ends_the_transaction_is_held_for_reconciliation<DB: Co
         .await;
         assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
         assert_eq!(h.orders().await, 1);
-        DB::exec(&h.pool, "DELETE FROM orders").await;
-        DB::exec(&h.pool, "DELETE FROM idempotency_records").await;
+        DB::exec(h.plain(), "DELETE FROM orders").await;
+        DB::exec(h.plain(), "DELETE FROM idempotency_records").await;
         h.executions.store(0, std::sync::atomic::Ordering::SeqCst);
     } else {
         modes.push("rollback_201");
@@ -1268,7 +1268,7 @@ pub async fn handler_that_ends_the_transaction_is_held_for_reconciliation<DB: Co
         "the handler's commits stay"
     );
     let marked = DB::count(
-        &h.pool,
+        h.plain(),
         "SELECT COUNT(*) FROM idempotency_records WHERE status = 'NEEDS_RECONCILIATION'",
     )
     .await;
@@ -1472,7 +1472,7 @@ pub async fn stricter_isolation_never_runs_a_finished_key_again<DB: ConformanceD
 /// storms per isolation level (for slow environments).
 pub async fn stricter_isolation_storms<DB: ConformanceDb>(h: Harness<DB>, keys_per_level: usize) {
     const COPIES: u64 = 8;
-    DB::set_stock(&h.pool, "A-10", 1_000).await;
+    DB::set_stock(h.plain(), "A-10", 1_000).await;
     let body = r#"{"amount":5,"items":[{"sku":"A-10","qty":1}]}"#;
     let mut keys = 0;
     for level in [
@@ -1519,7 +1519,7 @@ pub async fn stricter_isolation_storms<DB: ConformanceDb>(h: Harness<DB>, keys_p
         }
     }
     assert_eq!(h.orders().await, keys as i64);
-    assert_eq!(DB::stock(&h.pool, "A-10").await, 1_000 - keys as i64);
+    assert_eq!(DB::stock(h.plain(), "A-10").await, 1_000 - keys as i64);
     assert_eq!(h.ledger_with("SUCCEEDED").await, keys as i64);
 }
 
@@ -1674,10 +1674,10 @@ pub async fn dropped_futures_leave_a_clean_connection<DB: ConformanceDb>(h: Harn
         _ => None,
     };
     if let Some((create, drop_it)) = slow_commit {
-        DB::exec(&h.pool, create).await;
+        DB::exec(h.plain(), create).await;
         cut(r#"{"amount":777}"#, "mid-finish", 400).await;
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        DB::exec(&h.pool, drop_it).await;
+        DB::exec(h.plain(), drop_it).await;
     }
     // The one connection is clean: nothing of the cancelled requests is
     // kept, and a request through it commits for real.
@@ -1687,7 +1687,7 @@ pub async fn dropped_futures_leave_a_clean_connection<DB: ConformanceDb>(h: Harn
     assert_eq!(ok.status, StatusCode::CREATED, "{ok:?}");
     assert_eq!(
         DB::count(
-            &h.pool,
+            h.plain(),
             "SELECT COUNT(*) FROM idempotency_records WHERE idem_key = 'after' AND status = 'SUCCEEDED'"
         )
         .await,
@@ -1700,16 +1700,16 @@ pub async fn dropped_futures_leave_a_clean_connection<DB: ConformanceDb>(h: Harn
             "mid-claim" => "SELECT COUNT(*) FROM idempotency_records WHERE idem_key = 'mid-claim'",
             _ => "SELECT COUNT(*) FROM idempotency_records WHERE idem_key = 'mid-handler'",
         };
-        assert_eq!(DB::count(&h.pool, sql).await, 0, "{key} left a row");
+        assert_eq!(DB::count(h.plain(), sql).await, 0, "{key} left a row");
     }
     // The mid-finish request either committed whole or not at all: its
     // order and its SUCCEEDED row together.
     let finished = DB::count(
-        &h.pool,
+        h.plain(),
         "SELECT COUNT(*) FROM idempotency_records WHERE idem_key = 'mid-finish' AND status = 'SUCCEEDED'",
     )
     .await;
-    let order_kept = DB::count(&h.pool, "SELECT COUNT(*) FROM orders WHERE amount = 777").await;
+    let order_kept = DB::count(h.plain(), "SELECT COUNT(*) FROM orders WHERE amount = 777").await;
     assert_eq!(finished, order_kept, "all or nothing");
     // Each cancelled key runs (or replays) on retry.
     for (key, body) in [("mid-claim", BODY), ("mid-handler", r#"{"amount":1}"#)] {
@@ -1734,7 +1734,7 @@ pub async fn a_handler_that_deletes_its_ledger_row_commits_nothing<DB: Conforman
         // READ COMMITTED): the delete found nothing, and the order and its
         // row committed together; a retry replays.
         let recorded = DB::count(
-            &h.pool,
+            h.plain(),
             "SELECT COUNT(*) FROM idempotency_records WHERE status = 'SUCCEEDED'",
         )
         .await;
@@ -1827,7 +1827,7 @@ pub async fn policies_give_records_their_own_retention_and_limits<DB: Conformanc
                 "SELECT expires_at - created_at FROM idempotency_records WHERE principal_id = 'user-7'"
             }
         };
-        DB::count(&h.pool, sql)
+        DB::count(h.plain(), sql)
     };
     assert_eq!(kept("user-42").await, 1_000);
     assert_eq!(kept("user-7").await, 86_400_000);
@@ -1926,7 +1926,7 @@ pub async fn the_key_status_look_up_says_where_a_key_stands<DB: ConformanceDb>(h
     assert_eq!(status_of(&landed), "succeeded", "{landed:?}");
 
     // Past its retention.
-    DB::exec(&h.pool, "UPDATE idempotency_records SET expires_at = 0").await;
+    DB::exec(h.plain(), "UPDATE idempotency_records SET expires_at = 0").await;
     let gone = send(&app, look(ALICE, KEY, true)).await;
     assert_eq!(status_of(&gone), "expired", "{gone:?}");
 

@@ -136,23 +136,6 @@ const PG_SESSION: &[Setting] = &[
         setup: &[],
         statements: &["SET statement_timeout = '3s'"],
     },
-    Setting {
-        name: "JIT on every statement",
-        setup: &[],
-        statements: &[
-            "SET jit_above_cost = 0",
-            "SET jit_inline_above_cost = 0",
-            "SET jit_optimize_above_cost = 0",
-        ],
-    },
-    Setting {
-        name: "search_path of a tenant schema with its own ledger",
-        setup: &[
-            "CREATE SCHEMA tenant_42",
-            "CREATE TABLE tenant_42.idempotency_records (LIKE public.idempotency_records INCLUDING ALL)",
-        ],
-        statements: &["SET search_path TO tenant_42, public"],
-    },
 ];
 
 const PG_HANDLER: &[Setting] = &[
@@ -192,9 +175,9 @@ const MYSQL_SESSION: &[Setting] = &[
         statements: &["SET SESSION sql_mode = CONCAT(@@sql_mode, ',PAD_CHAR_TO_FULL_LENGTH')"],
     },
     Setting {
-        name: "time_zone +13:45",
+        name: "time_zone +13:00",
         setup: &[],
-        statements: &["SET time_zone = '+13:45'"],
+        statements: &["SET time_zone = '+13:00'"],
     },
     Setting {
         name: "character_set_client latin1",

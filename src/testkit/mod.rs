@@ -119,6 +119,10 @@ pub struct Harness<DB: ConformanceDb> {
     pub executions: Arc<AtomicUsize>,
     /// The caller's environment the case runs in.
     pub environment: Environment,
+    /// What the counts and reads of the judging helpers run on: the case's
+    /// database in the server's default session (a session setting or a
+    /// temporary table of the environment never hides a committed row).
+    judge: Pool<DB>,
     _drop: Cleanup,
 }
 
@@ -546,6 +550,7 @@ impl<DB: ConformanceDb> Harness<DB> {
     pub async fn new() -> Self {
         let (pool, drop) = DB::fresh().await;
         Self {
+            judge: pool.clone(),
             pool,
             executions: Arc::new(AtomicUsize::new(0)),
             environment: Environment::default(),
@@ -580,11 +585,11 @@ impl<DB: ConformanceDb> Harness<DB> {
             .connect_with((*plain.connect_options()).clone())
             .await
             .unwrap();
-        plain.close().await;
         Self {
             pool,
             executions: Arc::new(AtomicUsize::new(0)),
             environment,
+            judge: plain,
             _drop: drop,
         }
     }
@@ -593,8 +598,16 @@ impl<DB: ConformanceDb> Harness<DB> {
     /// pool through a [`relay`] or a proxy): the layer, the handler and the
     /// assertions all use it.
     pub fn with_pool(mut self, pool: Pool<DB>) -> Self {
+        self.judge = pool.clone();
         self.pool = pool;
         self
+    }
+
+    /// The case's database in the server's default session, for the SQL
+    /// a case runs itself to set up or to judge (`h.pool` is the
+    /// environment's).
+    pub fn plain(&self) -> &Pool<DB> {
+        &self.judge
     }
 
     /// The default layer for these tests: Bearer-token principals.
@@ -628,12 +641,12 @@ impl<DB: ConformanceDb> Harness<DB> {
 
     /// Committed order rows.
     pub async fn orders(&self) -> i64 {
-        DB::count(&self.pool, "SELECT COUNT(*) FROM orders").await
+        DB::count(&self.judge, "SELECT COUNT(*) FROM orders").await
     }
 
     /// Committed ledger rows.
     pub async fn ledger(&self) -> i64 {
-        DB::count(&self.pool, "SELECT COUNT(*) FROM idempotency_records").await
+        DB::count(&self.judge, "SELECT COUNT(*) FROM idempotency_records").await
     }
 
     /// Committed ledger rows with `status`.
@@ -650,7 +663,7 @@ impl<DB: ConformanceDb> Harness<DB> {
             }
             other => panic!("unknown status {other}"),
         };
-        DB::count(&self.pool, sql).await
+        DB::count(&self.judge, sql).await
     }
 
     /// The committed ledger row of a scope, if any.
@@ -665,7 +678,7 @@ impl<DB: ConformanceDb> Harness<DB> {
             operation,
             key,
         };
-        DB::fetch(&self.pool, &scope)
+        DB::fetch(&self.judge, &scope)
             .await
             .expect("a readable ledger")
     }
