@@ -12,8 +12,6 @@ use super::{Claim, Completion, RecordStatus, Scope};
 /// A value a statement binds to one of its placeholders.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Arg {
-    /// A text value.
-    Text(String),
     /// A binary value.
     Bytes(Vec<u8>),
 }

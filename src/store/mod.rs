@@ -76,6 +76,12 @@ pub use error::{FinishError, StoreErrorKind};
 pub(crate) use lease::{CLAIM_ID, claim_data};
 pub use lease::{Fence, LeaseRecord, LeaseWrite};
 pub(crate) use literal::hex;
+
+/// A scope's part bound as the text it is.
+#[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
+pub(crate) fn as_text(part: &str) -> &str {
+    part
+}
 #[cfg(all(feature = "postgres", feature = "testkit"))]
 pub(crate) use postgres::scope_lock;
 pub use record::{Completion, LeaseState, Record, RecordStatus, UnresolvedRecord};
@@ -495,10 +501,11 @@ impl Savepoint {
 }
 
 /// Stamps out the statements every backend runs with bound parameters,
-/// given its SQL text. `$now` is the backend's SQL expression for the
-/// database clock in epoch milliseconds.
+/// given its SQL text; `$scope` turns a scope's part into the value bound
+/// for it. `$now` is the backend's SQL expression for the database clock
+/// in epoch milliseconds.
 macro_rules! shared_statements {
-    ($db:ty, fetch = $fetch:expr, mark = $mark:expr,
+    ($db:ty, scope = $scope:path, fetch = $fetch:expr, mark = $mark:expr,
      expire = $expire:expr, purge = $purge:expr $(,)?) => {
         async fn expire_batch(
             pool: &sqlx::Pool<$db>,
@@ -535,9 +542,9 @@ macro_rules! shared_statements {
             $crate::store::on_ledger!($db, pool, |ex, cached| {
                 sqlx::query_as::<_, $crate::store::RecordRow>($fetch)
                     .persistent(cached)
-                    .bind(scope.principal)
-                    .bind(scope.operation)
-                    .bind(scope.key)
+                    .bind($scope(scope.principal))
+                    .bind($scope(scope.operation))
+                    .bind($scope(scope.key))
                     .fetch_optional(ex)
             })
             .map($crate::store::record_from_row)
@@ -551,9 +558,9 @@ macro_rules! shared_statements {
         ) -> Result<u64, sqlx::Error> {
             let done = $crate::store::on_ledger!($db, pool, |ex, cached| sqlx::query($mark)
                 .persistent(cached)
-                .bind(claim.scope.principal)
-                .bind(claim.scope.operation)
-                .bind(claim.scope.key)
+                .bind($scope(claim.scope.principal))
+                .bind($scope(claim.scope.operation))
+                .bind($scope(claim.scope.key))
                 .bind(claim.fingerprint)
                 .bind(response_status)
                 .bind(claim.retention_ms)

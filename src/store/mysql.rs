@@ -233,6 +233,7 @@ impl Backend for MySql {
 
     shared_statements!(
         MySql,
+        scope = super::as_text,
         fetch = concat!(
             "SELECT status, request_fingerprint, response_status, response_headers, \
              response_body, resource_id, expires_at, \

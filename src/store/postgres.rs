@@ -51,7 +51,8 @@ const CLAIM_READ: &str = "SELECT txid_current_if_assigned(), r.status, r.request
      ORDER BY pg_catalog.array_position(pg_catalog.current_schemas(false), s.nspname) LIMIT 1) \
      FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
      LEFT JOIN idempotency_records r \
-     ON r.principal_id = $1 AND r.operation = $2 AND r.idem_key = $3";
+     ON r.principal_id = convert_from($1, 'UTF8') AND r.operation = convert_from($2, 'UTF8') \
+     AND r.idem_key = convert_from($3, 'UTF8')";
 
 /// Waits for the scope's lock within a bound (ledger v8's function).
 const WAIT: &str = "SELECT tower_idempotency_wait($1, $2, $3)";
@@ -67,7 +68,8 @@ fn record(schema: Option<&str>) -> String {
     format!(
         "INSERT INTO {table} (principal_id, operation, idem_key, request_fingerprint, \
          status, response_status, response_headers, response_body, resource_id, created_at, \
-         expires_at) SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, {now}, {now} + $10 \
+         expires_at) SELECT convert_from($1, 'UTF8'), convert_from($2, 'UTF8'), \
+         convert_from($3, 'UTF8'), $4, $5, $6, $7, $8, convert_from($9, 'UTF8'), {now}, {now} + $10 \
          WHERE txid_current() = $11 RETURNING expires_at",
         now = now_ms!(),
     )
@@ -234,15 +236,15 @@ impl Backend for Postgres {
         let sql = AssertSqlSafe(record(tx.ledger_schema.as_deref()));
         let inserted: Result<Option<i64>, _> = sqlx::query_scalar(sql)
             .persistent(claim.cached_statements)
-            .bind(claim.scope.principal)
-            .bind(claim.scope.operation)
-            .bind(claim.scope.key)
+            .bind(utf8(claim.scope.principal))
+            .bind(utf8(claim.scope.operation))
+            .bind(utf8(claim.scope.key))
             .bind(claim.fingerprint)
             .bind(c.status.as_str())
             .bind(c.response_status)
             .bind(c.response_headers)
             .bind(c.response_body)
-            .bind(c.resource_id)
+            .bind(c.resource_id.map(str::as_bytes))
             .bind(claim.retention_ms)
             .bind(xid)
             .fetch_optional(&mut *tx)
@@ -288,6 +290,7 @@ impl Backend for Postgres {
 
     shared_statements!(
         Postgres,
+        scope = utf8,
         fetch = concat!(
             "SELECT status, request_fingerprint, response_status, response_headers, \
              response_body, resource_id, expires_at, \
@@ -299,12 +302,14 @@ impl Backend for Postgres {
             " THEN 1::INT8 ELSE 0::INT8 END, \
              recovery_point, recovery_data, pending_step, claim_id, parks::INT8 \
              FROM idempotency_records \
-             WHERE principal_id = $1 AND operation = $2 AND idem_key = $3"
+             WHERE principal_id = convert_from($1, 'UTF8') AND operation = convert_from($2, 'UTF8') \
+             AND idem_key = convert_from($3, 'UTF8')"
         ),
         mark = concat!(
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
              request_fingerprint, status, response_status, created_at, expires_at) \
-             VALUES ($1, $2, $3, $4, 'NEEDS_RECONCILIATION', $5, ",
+             VALUES (convert_from($1, 'UTF8'), convert_from($2, 'UTF8'), convert_from($3, 'UTF8'), \
+             $4, 'NEEDS_RECONCILIATION', $5, ",
             now_ms!(),
             ", ",
             now_ms!(),
@@ -488,6 +493,14 @@ async fn lost_commit(
     }
 }
 
+/// A text value bound as its UTF-8 bytes, which the statement decodes
+/// (`convert_from($n, 'UTF8')`): the session's `client_encoding` (an
+/// application may set one sqlx cannot speak, such as `SJIS`) never
+/// converts, or refuses, a scope on its way to the ledger.
+fn utf8(text: &str) -> &[u8] {
+    text.as_bytes()
+}
+
 /// The two keys of a scope's transaction advisory lock: 64 bits of the
 /// SHA-256 of its three parts, each prefixed with its length (so no two
 /// scopes share an input). No principal can choose a scope whose lock
@@ -524,9 +537,9 @@ async fn claim_read(
 ) -> Result<(Option<i64>, Option<Record>, Option<String>), sqlx::Error> {
     let row = sqlx::query(CLAIM_READ)
         .persistent(claim.cached_statements)
-        .bind(claim.scope.principal)
-        .bind(claim.scope.operation)
-        .bind(claim.scope.key)
+        .bind(utf8(claim.scope.principal))
+        .bind(utf8(claim.scope.operation))
+        .bind(utf8(claim.scope.key))
         .fetch_one(&mut **tx)
         .await?;
     let xid = row.try_get::<Option<i64>, _>(0)?;
@@ -560,8 +573,18 @@ async fn claim_read(
 /// start: a phase that commits after a long transaction gets a full lease
 /// from its commit.
 pub(super) const DIALECT: Dialect = Dialect {
-    key: |a, v| numbered(a, Arg::Text(v.to_owned())),
-    text: |a, v| numbered(a, Arg::Text(v.to_owned())),
+    key: |a, v| {
+        format!(
+            "convert_from({}, 'UTF8')",
+            numbered(a, Arg::Bytes(v.into()))
+        )
+    },
+    text: |a, v| {
+        format!(
+            "convert_from({}, 'UTF8')",
+            numbered(a, Arg::Bytes(v.into()))
+        )
+    },
     blob: |a, v| numbered(a, Arg::Bytes(v.to_vec())),
     read_key: |column| column.to_string(),
     now: "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT",
@@ -580,10 +603,7 @@ pub(super) fn stmt(
 ) -> sqlx::query::Query<'static, Postgres, PgArguments> {
     args.into_iter().fold(
         sqlx::query(AssertSqlSafe(sql)).persistent(cached),
-        |q, arg| match arg {
-            Arg::Text(v) => q.bind(v),
-            Arg::Bytes(v) => q.bind(v),
-        },
+        |q, Arg::Bytes(v)| q.bind(v),
     )
 }
 
@@ -796,7 +816,7 @@ mod tests {
         let sql = DIALECT.expires_at(&mut args, &scope);
         assert!(!sql.contains(crafted) && !sql.contains("k-1"), "{sql}");
         assert!(sql.contains("$1") && sql.contains("$3"), "{sql}");
-        assert_eq!(args[0], Arg::Text(crafted.to_owned()));
+        assert_eq!(args[0], Arg::Bytes(crafted.as_bytes().to_vec()));
         assert_eq!(args.len(), 3);
     }
 }

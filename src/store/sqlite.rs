@@ -150,6 +150,7 @@ impl Backend for Sqlite {
 
     shared_statements!(
         Sqlite,
+        scope = super::as_text,
         fetch = concat!(
             "SELECT status, request_fingerprint, response_status, response_headers, \
              response_body, resource_id, expires_at, \
