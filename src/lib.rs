@@ -160,7 +160,23 @@
 //! task of its own, so a response future dropped mid-claim never returns a
 //! connection to the pool halfway through it. Under `REPEATABLE READ` or
 //! `SERIALIZABLE`, a claim that loses to a concurrent one with a
-//! serialization error is read back and replayed like any lost claim.
+//! serialization error is read back and replayed like any lost claim, and
+//! a duplicate of a key that committed is always replayed, never run
+//! again: on PostgreSQL a claim whose snapshot may predate the last
+//! holder's commit moves the scope's lock into a transaction begun after
+//! it (one more round trip) and reads again.
+//!
+//! Nothing a handler or a session does moves the ledger or decides a claim:
+//! the layer's savepoint has a name drawn once per process, so a handler's
+//! own savepoints never catch its `ROLLBACK TO`; on PostgreSQL the finished
+//! row goes to the ledger table the claim read before the handler ran
+//! (a handler's `SET LOCAL search_path` never moves it) and scopes travel
+//! as UTF-8 bytes the statement decodes (whatever the session's
+//! `client_encoding`); on SQLite every statement names
+//! `main.idempotency_records`, never a `TEMP` table. The crate's own suite
+//! runs every conformance case under a sample of such environments
+//! (`tests/environment_matrix.rs`; see docs/testing.md and
+//! docs/choices.md).
 //!
 //! # One clock
 //!
