@@ -500,6 +500,19 @@ impl Savepoint {
 macro_rules! shared_statements {
     ($db:ty, fetch = $fetch:expr, mark = $mark:expr,
      expire = $expire:expr, purge = $purge:expr $(,)?) => {
+        $crate::store::shared_statements!(
+            $db,
+            fetch = $fetch,
+            mark = $mark,
+            expire = $expire,
+            purge = $purge,
+            scope = std::convert::identity,
+        );
+    };
+    // `scope`: how a scope value is bound (MySQL binds its bytes, so no
+    // character set of the session converts it).
+    ($db:ty, fetch = $fetch:expr, mark = $mark:expr,
+     expire = $expire:expr, purge = $purge:expr, scope = $scope:expr $(,)?) => {
         async fn expire_batch(
             pool: &sqlx::Pool<$db>,
             now: Option<i64>,
@@ -535,9 +548,9 @@ macro_rules! shared_statements {
             $crate::store::on_ledger!($db, pool, |ex, cached| {
                 sqlx::query_as::<_, $crate::store::RecordRow>($fetch)
                     .persistent(cached)
-                    .bind(scope.principal)
-                    .bind(scope.operation)
-                    .bind(scope.key)
+                    .bind(($scope)(scope.principal))
+                    .bind(($scope)(scope.operation))
+                    .bind(($scope)(scope.key))
                     .fetch_optional(ex)
             })
             .map($crate::store::record_from_row)
@@ -551,9 +564,9 @@ macro_rules! shared_statements {
         ) -> Result<u64, sqlx::Error> {
             let done = $crate::store::on_ledger!($db, pool, |ex, cached| sqlx::query($mark)
                 .persistent(cached)
-                .bind(claim.scope.principal)
-                .bind(claim.scope.operation)
-                .bind(claim.scope.key)
+                .bind(($scope)(claim.scope.principal))
+                .bind(($scope)(claim.scope.operation))
+                .bind(($scope)(claim.scope.key))
                 .bind(claim.fingerprint)
                 .bind(response_status)
                 .bind(claim.retention_ms)

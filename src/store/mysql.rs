@@ -16,6 +16,30 @@ use super::{
     migrations, run_migrations, shared_statements,
 };
 
+/// The caller's session settings that would change what a ledger
+/// statement reads, or how its answer and errors are encoded, pinned to
+/// the server's defaults for that one statement (MariaDB's `SET STATEMENT
+/// … FOR`; MySQL reads the `/*M!…*/` form as a comment): the results come
+/// in `utf8mb4` whatever `character_set_results` or `SET NAMES` says (so
+/// text columns decode, and a duplicate key's message stays UTF-8), and a
+/// `SELECT` returns all its rows whatever `sql_select_limit` says. The
+/// session's own values are never changed. (`character_set_client` and
+/// `character_set_connection` cannot be set per statement: the ledger's
+/// scope values are hex literals or bound bytes, which no character set
+/// converts.)
+macro_rules! pinned_vars {
+    () => {
+        "character_set_results = utf8mb4, sql_select_limit = DEFAULT"
+    };
+}
+
+/// [`pinned_vars!`] for the statement that follows.
+macro_rules! pinned {
+    () => {
+        concat!("/*M!100301 SET STATEMENT ", pinned_vars!(), " FOR */ ")
+    };
+}
+
 /// Ends a claimed transaction that is not committed: rolls it back (or
 /// does nothing when there is none) and turns autocommit back on, as the
 /// pool handed the connection out.
@@ -25,7 +49,11 @@ const END_CLAIM: &str = "ROLLBACK; SET autocommit = 1";
 /// committed before it (reads, updates, deletes, inserts), for one
 /// table-less read (MariaDB waits only outside a transaction). Nothing on
 /// other servers; MySQL reads the `/*M!…*/` form as a comment.
-const SYNC_READ: &str = "/*M!100301 SET STATEMENT wsrep_sync_wait = 15 FOR */ SELECT 1; ";
+const SYNC_READ: &str = concat!(
+    "/*M!100301 SET STATEMENT wsrep_sync_wait = 15, ",
+    pinned_vars!(),
+    " FOR */ SELECT 1; "
+);
 
 /// Set once a server refused `wsrep_sync_wait` (`ER_UNKNOWN_SYSTEM_VARIABLE`:
 /// a MariaDB built without Galera support, such as the Windows builds);
@@ -121,7 +149,7 @@ impl Backend for MySql {
         let mysql_secs = secs.max(1);
         let sql = format!(
             "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION; \
-             /*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ \
+             /*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs}, {pinned} FOR */ \
              INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
              VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); \
@@ -134,6 +162,7 @@ impl Backend for MySql {
             Savepoint::get().take,
             isolation = claim.isolation.as_sql(),
             now = now_ms!(),
+            pinned = pinned_vars!(),
         );
         let waits = !NO_SYNC_WAIT.load(Ordering::Relaxed);
         let first = if waits {
@@ -201,16 +230,17 @@ impl Backend for MySql {
         let recorded = format!("idempotency_records WHERE {row} AND status = '{status}'");
         let sql = format!(
             "{release}; \
-             UPDATE idempotency_records SET status = '{status}', response_status = {}, \
+             {pinned}UPDATE idempotency_records SET status = '{status}', response_status = {}, \
              response_headers = X'{}', response_body = X'{}', resource_id = {resource} \
              WHERE {row}; \
-             SELECT (SELECT expires_at FROM {recorded} \
+             {pinned}SELECT (SELECT expires_at FROM {recorded} \
              UNION ALL SELECT -1 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded}) \
              UNION ALL SELECT -2 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded})); \
              COMMIT; SET autocommit = 1",
             c.response_status,
             hex(c.response_headers),
             hex(c.response_body),
+            pinned = pinned!(),
         );
         match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
             Ok(rows) => {
@@ -234,6 +264,7 @@ impl Backend for MySql {
     shared_statements!(
         MySql,
         fetch = concat!(
+            pinned!(),
             "SELECT status, request_fingerprint, response_status, response_headers, \
              response_body, resource_id, expires_at, \
              CASE WHEN expires_at <= ",
@@ -247,6 +278,7 @@ impl Backend for MySql {
         ),
         // Assignments run left to right: response_status before status.
         mark = concat!(
+            pinned!(),
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
              request_fingerprint, status, response_status, created_at, expires_at) \
              VALUES (?, ?, ?, ?, 'NEEDS_RECONCILIATION', ?, ",
@@ -258,6 +290,7 @@ impl Backend for MySql {
              status = IF(status = 'PROCESSING', 'NEEDS_RECONCILIATION', status)"
         ),
         expire = concat!(
+            pinned!(),
             "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
              response_body = NULL, expires_at = expires_at + ? \
              WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= COALESCE(?, ",
@@ -265,11 +298,16 @@ impl Backend for MySql {
             ") LIMIT ?"
         ),
         purge = concat!(
+            pinned!(),
             "DELETE FROM idempotency_records WHERE status = 'EXPIRED' \
              AND expires_at <= COALESCE(?, ",
             now_ms!(),
             ") LIMIT ?"
         ),
+        // Bytes, which no character set of the session converts: a string
+        // would be converted to `character_set_connection` before it meets
+        // the `VARBINARY` column.
+        scope = str::as_bytes,
     );
 
     // Lease statements are literal SQL built once for every backend (see
@@ -369,7 +407,8 @@ impl Backend for MySql {
                 return Ok(None);
             }
             let sql = format!(
-                "{}; COMMIT; SET autocommit = 1",
+                "{}{}; COMMIT; SET autocommit = 1",
+                pinned!(),
                 DIALECT.expires_at(&mut Vec::new(), scope)
             );
             let rows = sqlx::raw_sql(AssertSqlSafe(sql))
@@ -473,14 +512,17 @@ const LEASE_LOCK_WAIT_SECS: u64 = 5;
 
 /// `sql` with its lock wait bounded for that statement alone.
 fn with_lock_wait(secs: u64, sql: &str) -> String {
-    format!("/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ {sql}")
+    format!(
+        "/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs}, {} FOR */ {sql}",
+        pinned_vars!()
+    )
 }
 
 /// A lease or operator statement: its values are literals (`DIALECT`
 /// binds none), sent as written.
 pub(super) fn stmt(sql: String, args: Args, _cached: bool) -> sqlx::RawSql {
     debug_assert!(args.is_empty(), "MySQL's dialect binds nothing");
-    sqlx::raw_sql(AssertSqlSafe(sql))
+    sqlx::raw_sql(AssertSqlSafe(format!("{}{sql}", pinned!())))
 }
 
 /// Runs one literal statement on the pool; the rows it found.

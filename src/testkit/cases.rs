@@ -437,7 +437,11 @@ pub async fn fifty_concurrent_duplicates_execute_once<DB: ConformanceDb>(h: Harn
     }
     assert_eq!(h.executions(), 1, "exactly one execution");
     assert_eq!(h.orders().await, 1);
-    assert_eq!(DB::stock(h.plain(), "A-10").await, 99, "one stock decrement");
+    assert_eq!(
+        DB::stock(h.plain(), "A-10").await,
+        99,
+        "one stock decrement"
+    );
     assert_eq!(h.ledger().await, 1);
     let created: Vec<_> = answers
         .iter()
