@@ -530,6 +530,17 @@ async fn mysql_session_keeps_the_ledger(statement: &'static str) -> Vec<(StatusC
         let body = res.into_body().collect().await.unwrap().to_bytes();
         answers.push((status, String::from_utf8_lossy(&body).into_owned()));
     }
+    // The pooled connection is never left inside a transaction.
+    let open: i64 = sqlx::query_scalar(
+        "SET STATEMENT sql_select_limit = DEFAULT FOR SELECT CAST(@@in_transaction AS SIGNED)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        open, 0,
+        "{statement}: the pooled connection is in a transaction"
+    );
     // Judged on a connection in the server's default session.
     let judge = sqlx::MySqlPool::connect(&url).await.unwrap();
     let count = |sql: &'static str| {
@@ -611,6 +622,32 @@ async fn mysql_a_results_character_set_never_hides_the_ledger() {
         "SET character_set_results = utf16",
         "SET character_set_results = latin1",
         "SET character_set_results = NULL",
+    ] {
+        mysql_session_is_immune(statement).await;
+    }
+}
+
+/// `sql_select_limit = 0` once hid the finish batch's read (the batch
+/// committed, then the read found no row: "nothing was recorded"), and
+/// every retry's read of the ledger (`409 #unconfirmed`).
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_select_limit_never_hides_the_ledger() {
+    for statement in ["SET sql_select_limit = 0", "SET sql_select_limit = 1"] {
+        mysql_session_is_immune(statement).await;
+    }
+}
+
+/// `completion_type = CHAIN` once turned the layer's `COMMIT`, and sqlx's
+/// `ROLLBACK` after it, into ones that open the next transaction: the
+/// pooled connection went back inside a transaction, and every later claim
+/// on it failed (`503`). `RELEASE` would end the connection.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_completion_type_never_chains_the_ledger() {
+    for statement in [
+        "SET completion_type = 'CHAIN'",
+        "SET completion_type = 'RELEASE'",
     ] {
         mysql_session_is_immune(statement).await;
     }

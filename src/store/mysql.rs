@@ -43,7 +43,24 @@ macro_rules! pinned {
 /// Ends a claimed transaction that is not committed: rolls it back (or
 /// does nothing when there is none) and turns autocommit back on, as the
 /// pool handed the connection out.
-const END_CLAIM: &str = "ROLLBACK; SET autocommit = 1";
+/// `AND NO CHAIN NO RELEASE`: whatever the session's `completion_type`,
+/// the end opens no next transaction and keeps the connection.
+const END_CLAIM: &str = "ROLLBACK AND NO CHAIN NO RELEASE; SET autocommit = 1";
+
+/// Commits a claimed (or phase) transaction at the end of the batch that
+/// records it, then turns autocommit back on; never chained or released,
+/// whatever the session's `completion_type`.
+macro_rules! commit {
+    () => {
+        "COMMIT AND NO CHAIN NO RELEASE; SET autocommit = 1"
+    };
+}
+
+/// Read in a batch that commits: whether the session's `completion_type`
+/// is not `NO_CHAIN`, so that sqlx's own `ROLLBACK` of nothing, queued
+/// once the batch ended the transaction, would open a transaction (or end
+/// the connection): see [`ended`].
+const CHAINS: &str = "CAST(@@SESSION.completion_type <> 'NO_CHAIN' AS SIGNED)";
 
 /// On a Galera node: waits until the node has applied what the cluster
 /// committed before it (reads, updates, deletes, inserts), for one
@@ -235,21 +252,31 @@ impl Backend for MySql {
              WHERE {row}; \
              {pinned}SELECT (SELECT expires_at FROM {recorded} \
              UNION ALL SELECT -1 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded}) \
-             UNION ALL SELECT -2 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded})); \
-             COMMIT; SET autocommit = 1",
+             UNION ALL SELECT -2 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded})), \
+             {CHAINS}; {commit}",
             c.response_status,
             hex(c.response_headers),
             hex(c.response_body),
             pinned = pinned!(),
+            commit = commit!(),
         );
         match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
-            Ok(rows) => {
-                tx.ended_by_batch();
-                Ok(rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?)
-            }
+            // The batch ran to its end, so the read found the recorded
+            // row and the COMMIT ran: a read that cannot be decoded never
+            // becomes "nothing was recorded".
+            Ok(rows) => match expiry(&rows) {
+                Ok((expires_at, chains)) => {
+                    ended(tx, chains).await;
+                    Ok(expires_at)
+                }
+                Err(e) => {
+                    ended(tx, true).await;
+                    Err(committed_unread(e).into())
+                }
+            },
             Err(e) => {
                 tx.rollback().await;
-                Err(e.into())
+                Err(maybe_committed(e).into())
             }
         }
     }
@@ -407,21 +434,27 @@ impl Backend for MySql {
                 return Ok(None);
             }
             let sql = format!(
-                "{}{}; COMMIT; SET autocommit = 1",
+                "{}SELECT expires_at, {CHAINS} FROM idempotency_records WHERE {}; {}",
                 pinned!(),
-                DIALECT.expires_at(&mut Vec::new(), scope)
+                DIALECT.scope(&mut Vec::new(), scope),
+                commit!(),
             );
             let rows = sqlx::raw_sql(AssertSqlSafe(sql))
                 .fetch_all(&mut *tx)
-                .await?;
-            let expires_at: Option<i64> = rows.first().map(|row| row.try_get(0)).transpose()?;
-            Ok::<_, sqlx::Error>(Some(expires_at.unwrap_or_default()))
+                .await
+                .map_err(maybe_committed)?;
+            // The batch ran to its end: the COMMIT ran.
+            Ok::<_, sqlx::Error>(Some(expiry(&rows).map_err(committed_unread)))
         }
         .await;
         match written {
-            Ok(Some(expires_at)) => {
-                tx.ended_by_batch();
+            Ok(Some(Ok((expires_at, chains)))) => {
+                ended(tx, chains).await;
                 Ok(Some(expires_at))
+            }
+            Ok(Some(Err(e))) => {
+                ended(tx, true).await;
+                Err(e.into())
             }
             Ok(None) => {
                 tx.rollback().await;
@@ -471,16 +504,64 @@ async fn end_or_close(mut conn: PoolConnection<MySql>) {
     }
 }
 
-/// Ends a claimed (or phase) transaction that is not committed: every
-/// end that does not commit is [`END_CLAIM`] (autocommit back on), then
-/// sqlx's count goes back to zero (its `ROLLBACK` of nothing queued for the
-/// connection's next use).
+/// Ends a claimed (or phase) transaction that is not committed: sqlx's
+/// count goes back to zero (its `ROLLBACK`, which a session's
+/// `completion_type = CHAIN` turns into one that opens the next
+/// transaction), then [`END_CLAIM`] ends whatever is open, never chained,
+/// and turns autocommit back on. (A `completion_type = RELEASE` ends the
+/// connection at sqlx's `ROLLBACK`: it is then closed.)
 fn end_claim(conn: &mut PoolConnection<MySql>) -> Ending<'_> {
     Box::pin(async move {
-        sqlx::raw_sql(END_CLAIM).execute(&mut **conn).await?;
         <MySqlTransactionManager as TransactionManager>::start_rollback(&mut **conn);
+        sqlx::raw_sql(END_CLAIM).execute(&mut **conn).await?;
         Ok(())
     })
+}
+
+/// A claimed (or phase) transaction that a batch committed: sqlx's count
+/// goes back to zero. Its `ROLLBACK` of nothing is queued; where the
+/// session's `completion_type` is not `NO_CHAIN` (`chains`) that
+/// `ROLLBACK` opens a transaction (or ends the connection), so it is sent
+/// now and followed by a `ROLLBACK AND NO CHAIN` (one more round trip,
+/// for such sessions only), and the connection never goes back to the
+/// pool inside a transaction.
+async fn ended(tx: Claimed<MySql>, chains: bool) {
+    if chains {
+        tx.ended_by_batch_then("ROLLBACK AND NO CHAIN NO RELEASE")
+            .await;
+    } else {
+        tx.ended_by_batch();
+    }
+}
+
+/// The expiry a committing batch read, and whether the session chains.
+fn expiry(rows: &[sqlx::mysql::MySqlRow]) -> Result<(i64, bool), sqlx::Error> {
+    let row = rows.first().ok_or(sqlx::Error::RowNotFound)?;
+    Ok((row.try_get(0)?, row.try_get::<i64, _>(1)? != 0))
+}
+
+/// A committing batch that ran to its end (so its `COMMIT` ran) but whose
+/// read could not be decoded: reported as an outcome the store cannot
+/// tell (kind [`StoreErrorKind::ConnectionLost`]), so the layer re-reads
+/// the ledger and never answers "nothing was recorded".
+fn committed_unread(e: sqlx::Error) -> sqlx::Error {
+    sqlx::Error::Protocol(format!(
+        "the recording batch committed, but its read of the expiry failed: {e}"
+    ))
+}
+
+/// A committing batch that failed: a server error stops the batch at its
+/// statement, before the `COMMIT`; any other error (the driver could not
+/// read or decode an answer) may have come after it, so the outcome is
+/// one the store cannot tell (kind [`StoreErrorKind::ConnectionLost`]).
+fn maybe_committed(e: sqlx::Error) -> sqlx::Error {
+    if e.as_database_error().is_some() || generic_error_kind(&e).is_some() {
+        e
+    } else {
+        sqlx::Error::Protocol(format!(
+            "the recording batch failed after it was sent and may have committed: {e}"
+        ))
+    }
 }
 
 /// The server's error number, when the error is the server's.
