@@ -652,3 +652,18 @@ async fn mysql_a_completion_type_never_chains_the_ledger() {
         mysql_session_is_immune(statement).await;
     }
 }
+
+/// A session left read-only (`SET SESSION TRANSACTION READ ONLY`,
+/// `tx_read_only`) once refused every later claim on that connection
+/// (`503`): the claimed transaction is `READ WRITE` on its own, so the
+/// layer and the handler's writes on it are immune.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_read_only_session_never_refuses_the_claim() {
+    for statement in [
+        "SET SESSION TRANSACTION READ ONLY",
+        "SET SESSION tx_read_only = 1",
+    ] {
+        mysql_session_is_immune(statement).await;
+    }
+}

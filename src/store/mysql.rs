@@ -146,7 +146,10 @@ impl Backend for MySql {
         // `innodb_rollback_on_timeout`, or on Galera a certification
         // conflict or a replicated writer's abort) opens a new transaction
         // that nothing commits, instead of committing on its own: business
-        // rows never commit without the ledger row. `finish` and every
+        // rows never commit without the ledger row. `READ WRITE`: a
+        // session left read-only (`SET SESSION TRANSACTION READ ONLY`,
+        // `tx_read_only`) never refuses the claimed transaction or the
+        // handler's writes on it. `finish` and every
         // rollback (`END_CLAIM`) turn autocommit back on before the
         // connection goes back to the pool.
         //
@@ -165,7 +168,7 @@ impl Backend for MySql {
         let secs = claim.lock_wait.as_secs_f64().round().clamp(0.0, 3600.0) as u64;
         let mysql_secs = secs.max(1);
         let sql = format!(
-            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION; \
+            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION READ WRITE; \
              /*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs}, {pinned} FOR */ \
              INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
@@ -393,7 +396,7 @@ impl Backend for MySql {
         // a savepoint `commit_fenced` releases first, so a phase that
         // ended commits nothing, its recovery point included.
         let begin = format!(
-            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION; \
+            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION READ WRITE; \
              {}",
             isolation.as_sql(),
             Savepoint::get().take,
