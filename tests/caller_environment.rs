@@ -471,3 +471,199 @@ async fn sqlite_a_temporary_table_never_captures_the_ledger() {
     .unwrap();
     assert_eq!(succeeded, 2);
 }
+
+/// Issue 33, point 4b (MySQL/MariaDB): on a pool of one connection, a
+/// handler runs `statement` (a session setting, which persists on the
+/// connection after the request), then inserts an order on the claimed
+/// transaction. The same key is sent `tries` times by a non-ASCII
+/// principal, then once more by the same principal under a fresh key.
+/// Judged by the rows committed: one order and one `SUCCEEDED` row per
+/// key, every answer of a key the first one (a replay), and no answer ever
+/// says "nothing was recorded" about a key whose row committed.
+#[cfg(feature = "mysql")]
+async fn mysql_session_keeps_the_ledger(statement: &'static str) -> Vec<(StatusCode, String)> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (url, _drop) = <sqlx::MySql as ConformanceDb>::fresh_url().await;
+    let pool: Pool<sqlx::MySql> = one_connection_pool!(sqlx::MySql, &url, "SELECT 1");
+    tower_idempotency::migrate(&pool).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY) ENGINE = InnoDB")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = Arc::clone(&runs);
+        move |req: Request<IdempotencyBody<String>>| {
+            let runs = Arc::clone(&runs);
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let tx = req.extensions().get::<Tx<sqlx::MySql>>().cloned().unwrap();
+                let mut conn = tx.lock().unwrap();
+                sqlx::raw_sql(statement).execute(&mut *conn).await.unwrap();
+                let done = sqlx::raw_sql("INSERT INTO orders () VALUES ()")
+                    .execute(&mut *conn)
+                    .await
+                    .unwrap();
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .status(201)
+                        .body(format!("order {}", done.last_insert_id()))
+                        .unwrap(),
+                )
+            }
+        }
+    };
+    let service = ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(pool.clone()))
+        .service_fn(handler);
+    let principal = "Jos\u{e9} M\u{fc}ller \u{5c71}\u{7530}";
+    let mut answers = Vec::new();
+    for key in ["k-1", "k-1", "k-1", "k-2", "k-2"] {
+        let mut req = Request::post("/orders")
+            .header("idempotency-key", key)
+            .body(String::new())
+            .unwrap();
+        req.extensions_mut().insert(Principal::new(principal));
+        let res = service.clone().oneshot(req).await.unwrap();
+        let status = res.status();
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        answers.push((status, String::from_utf8_lossy(&body).into_owned()));
+    }
+    // The pooled connection is never left inside a transaction.
+    let open: i64 = sqlx::query_scalar(
+        "SET STATEMENT sql_select_limit = DEFAULT FOR SELECT CAST(@@in_transaction AS SIGNED)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        open, 0,
+        "{statement}: the pooled connection is in a transaction"
+    );
+    // Judged on a connection in the server's default session.
+    let judge = sqlx::MySqlPool::connect(&url).await.unwrap();
+    let count = |sql: &'static str| {
+        let judge = judge.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&judge)
+                .await
+                .unwrap()
+        }
+    };
+    let orders = count("SELECT COUNT(*) FROM orders").await;
+    let succeeded =
+        count("SELECT COUNT(*) FROM idempotency_records WHERE status = 'SUCCEEDED'").await;
+    assert!(
+        orders <= 2,
+        "{statement}: {orders} orders for two keys: {answers:?}"
+    );
+    assert_eq!(
+        orders,
+        i64::try_from(runs.load(Ordering::SeqCst)).unwrap(),
+        "{statement}: every execution committed: {answers:?}"
+    );
+    for (i, (status, body)) in answers.iter().enumerate() {
+        assert!(
+            !body.contains("nothing was recorded") || orders == 0,
+            "{statement}: answer {i} says nothing was recorded, but {orders} orders committed: {answers:?}"
+        );
+        let _ = status;
+    }
+    assert_eq!(
+        succeeded, orders,
+        "{statement}: a row per order: {answers:?}"
+    );
+    answers
+}
+
+/// The whole promise: one order per key, and every retry the replay.
+#[cfg(feature = "mysql")]
+async fn mysql_session_is_immune(statement: &'static str) {
+    let answers = mysql_session_keeps_the_ledger(statement).await;
+    assert_eq!(
+        answers[0].0,
+        StatusCode::CREATED,
+        "{statement}: {answers:?}"
+    );
+    assert!(
+        answers[..3].iter().all(|a| a == &answers[0]),
+        "{statement}: {answers:?}"
+    );
+    assert_eq!(
+        answers[3].0,
+        StatusCode::CREATED,
+        "{statement}: {answers:?}"
+    );
+    assert!(answers[3] != answers[0], "{statement}: {answers:?}");
+    assert_eq!(answers[4], answers[3], "{statement}: {answers:?}");
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_client_character_set_never_hides_the_ledger() {
+    for statement in [
+        "SET NAMES latin1",
+        "SET NAMES big5",
+        "SET NAMES sjis",
+        "SET character_set_client = latin1",
+        "SET character_set_connection = sjis",
+    ] {
+        mysql_session_is_immune(statement).await;
+    }
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_results_character_set_never_hides_the_ledger() {
+    for statement in [
+        "SET NAMES binary",
+        "SET character_set_results = utf16",
+        "SET character_set_results = latin1",
+        "SET character_set_results = NULL",
+    ] {
+        mysql_session_is_immune(statement).await;
+    }
+}
+
+/// `sql_select_limit = 0` once hid the finish batch's read (the batch
+/// committed, then the read found no row: "nothing was recorded"), and
+/// every retry's read of the ledger (`409 #unconfirmed`).
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_select_limit_never_hides_the_ledger() {
+    for statement in ["SET sql_select_limit = 0", "SET sql_select_limit = 1"] {
+        mysql_session_is_immune(statement).await;
+    }
+}
+
+/// `completion_type = CHAIN` once turned the layer's `COMMIT`, and sqlx's
+/// `ROLLBACK` after it, into ones that open the next transaction: the
+/// pooled connection went back inside a transaction, and every later claim
+/// on it failed (`503`). `RELEASE` would end the connection.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_completion_type_never_chains_the_ledger() {
+    for statement in [
+        "SET completion_type = 'CHAIN'",
+        "SET completion_type = 'RELEASE'",
+    ] {
+        mysql_session_is_immune(statement).await;
+    }
+}
+
+/// A session left read-only (`SET SESSION TRANSACTION READ ONLY`,
+/// `tx_read_only`) once refused every later claim on that connection
+/// (`503`): the claimed transaction is `READ WRITE` on its own, so the
+/// layer and the handler's writes on it are immune.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_read_only_session_never_refuses_the_claim() {
+    for statement in [
+        "SET SESSION TRANSACTION READ ONLY",
+        "SET SESSION tx_read_only = 1",
+    ] {
+        mysql_session_is_immune(statement).await;
+    }
+}

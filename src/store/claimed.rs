@@ -149,6 +149,26 @@ impl<DB: Database> Claimed<DB> {
     }
 }
 
+#[cfg(feature = "mysql")]
+impl Claimed<sqlx::MySql> {
+    /// As [`ended_by_batch`](Self::ended_by_batch), then sends sqlx's
+    /// queued `ROLLBACK` at once, followed by `sql` (which puts right what
+    /// that `ROLLBACK` did to the session), within [`ROLLBACK_WAIT`]; a
+    /// connection where either fails or the wait runs out is closed.
+    pub(crate) async fn ended_by_batch_then(mut self, sql: &'static str) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        <sqlx::mysql::MySqlTransactionManager as TransactionManager>::start_rollback(&mut *conn);
+        let guard = CloseOnCancel::new(&mut conn);
+        let done =
+            tokio::time::timeout(ROLLBACK_WAIT, sqlx::raw_sql(sql).execute(&mut **guard.0)).await;
+        if matches!(done, Ok(Ok(_))) {
+            guard.done();
+        }
+    }
+}
+
 #[cfg(feature = "postgres")]
 impl Claimed<sqlx::Postgres> {
     /// Runs `sql`, a batch that ends the transaction and begins the next

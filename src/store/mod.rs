@@ -31,6 +31,20 @@
 //! collations are `PAD SPACE`, so `'alice'` would equal `'alice '`). No
 //! trailing space, case or Unicode normalization ever makes two scopes one.
 //!
+//! # The caller's session (MySQL/MariaDB)
+//!
+//! A setting a handler leaves on its pooled connection never changes what
+//! the ledger reads: scope values are hex literals or bound bytes (no
+//! `SET NAMES` or `character_set_client` converts them);
+//! `character_set_results` and `sql_select_limit` are pinned for each
+//! ledger statement alone (MariaDB's `SET STATEMENT … FOR`); every end is
+//! `AND NO CHAIN NO RELEASE` whatever `completion_type` says, and no
+//! connection goes back to the pool inside a transaction; the claimed
+//! transaction is `READ WRITE` whatever `tx_read_only` says. A recording
+//! that ran to its `COMMIT` is never answered "nothing was recorded". A
+//! MariaDB `TEMPORARY` table named `idempotency_records` is not detected
+//! yet. See `docs/choices.md`, "The caller's session on MySQL/MariaDB".
+//!
 //! # One clock
 //!
 //! `created_at`, `expires_at`, the `410` decision and the sweeper all use
@@ -78,7 +92,7 @@ pub use lease::{Fence, LeaseRecord, LeaseWrite};
 pub(crate) use literal::hex;
 
 /// A scope's part bound as the text it is.
-#[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub(crate) fn as_text(part: &str) -> &str {
     part
 }

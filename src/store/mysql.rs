@@ -16,16 +16,61 @@ use super::{
     migrations, run_migrations, shared_statements,
 };
 
+/// The caller's session settings that would change what a ledger
+/// statement reads, or how its answer and errors are encoded, pinned to
+/// the server's defaults for that one statement (MariaDB's `SET STATEMENT
+/// … FOR`; MySQL reads the `/*M!…*/` form as a comment): the results come
+/// in `utf8mb4` whatever `character_set_results` or `SET NAMES` says (so
+/// text columns decode, and a duplicate key's message stays UTF-8), and a
+/// `SELECT` returns all its rows whatever `sql_select_limit` says. The
+/// session's own values are never changed. (`character_set_client` and
+/// `character_set_connection` cannot be set per statement: the ledger's
+/// scope values are hex literals or bound bytes, which no character set
+/// converts.)
+macro_rules! pinned_vars {
+    () => {
+        "character_set_results = utf8mb4, sql_select_limit = DEFAULT"
+    };
+}
+
+/// [`pinned_vars!`] for the statement that follows.
+macro_rules! pinned {
+    () => {
+        concat!("/*M!100301 SET STATEMENT ", pinned_vars!(), " FOR */ ")
+    };
+}
+
 /// Ends a claimed transaction that is not committed: rolls it back (or
 /// does nothing when there is none) and turns autocommit back on, as the
 /// pool handed the connection out.
-const END_CLAIM: &str = "ROLLBACK; SET autocommit = 1";
+/// `AND NO CHAIN NO RELEASE`: whatever the session's `completion_type`,
+/// the end opens no next transaction and keeps the connection.
+const END_CLAIM: &str = "ROLLBACK AND NO CHAIN NO RELEASE; SET autocommit = 1";
+
+/// Commits a claimed (or phase) transaction at the end of the batch that
+/// records it, then turns autocommit back on; never chained or released,
+/// whatever the session's `completion_type`.
+macro_rules! commit {
+    () => {
+        "COMMIT AND NO CHAIN NO RELEASE; SET autocommit = 1"
+    };
+}
+
+/// Read in a batch that commits: whether the session's `completion_type`
+/// is not `NO_CHAIN`, so that sqlx's own `ROLLBACK` of nothing, queued
+/// once the batch ended the transaction, would open a transaction (or end
+/// the connection): see [`ended`].
+const CHAINS: &str = "CAST(@@SESSION.completion_type <> 'NO_CHAIN' AS SIGNED)";
 
 /// On a Galera node: waits until the node has applied what the cluster
 /// committed before it (reads, updates, deletes, inserts), for one
 /// table-less read (MariaDB waits only outside a transaction). Nothing on
 /// other servers; MySQL reads the `/*M!…*/` form as a comment.
-const SYNC_READ: &str = "/*M!100301 SET STATEMENT wsrep_sync_wait = 15 FOR */ SELECT 1; ";
+const SYNC_READ: &str = concat!(
+    "/*M!100301 SET STATEMENT wsrep_sync_wait = 15, ",
+    pinned_vars!(),
+    " FOR */ SELECT 1; "
+);
 
 /// Set once a server refused `wsrep_sync_wait` (`ER_UNKNOWN_SYSTEM_VARIABLE`:
 /// a MariaDB built without Galera support, such as the Windows builds);
@@ -101,7 +146,10 @@ impl Backend for MySql {
         // `innodb_rollback_on_timeout`, or on Galera a certification
         // conflict or a replicated writer's abort) opens a new transaction
         // that nothing commits, instead of committing on its own: business
-        // rows never commit without the ledger row. `finish` and every
+        // rows never commit without the ledger row. `READ WRITE`: a
+        // session left read-only (`SET SESSION TRANSACTION READ ONLY`,
+        // `tx_read_only`) never refuses the claimed transaction or the
+        // handler's writes on it. `finish` and every
         // rollback (`END_CLAIM`) turn autocommit back on before the
         // connection goes back to the pool.
         //
@@ -120,8 +168,8 @@ impl Backend for MySql {
         let secs = claim.lock_wait.as_secs_f64().round().clamp(0.0, 3600.0) as u64;
         let mysql_secs = secs.max(1);
         let sql = format!(
-            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION; \
-             /*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ \
+            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION READ WRITE; \
+             /*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs}, {pinned} FOR */ \
              INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
              VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); \
@@ -134,6 +182,7 @@ impl Backend for MySql {
             Savepoint::get().take,
             isolation = claim.isolation.as_sql(),
             now = now_ms!(),
+            pinned = pinned_vars!(),
         );
         let waits = !NO_SYNC_WAIT.load(Ordering::Relaxed);
         let first = if waits {
@@ -201,25 +250,36 @@ impl Backend for MySql {
         let recorded = format!("idempotency_records WHERE {row} AND status = '{status}'");
         let sql = format!(
             "{release}; \
-             UPDATE idempotency_records SET status = '{status}', response_status = {}, \
+             {pinned}UPDATE idempotency_records SET status = '{status}', response_status = {}, \
              response_headers = X'{}', response_body = X'{}', resource_id = {resource} \
              WHERE {row}; \
-             SELECT (SELECT expires_at FROM {recorded} \
+             {pinned}SELECT (SELECT expires_at FROM {recorded} \
              UNION ALL SELECT -1 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded}) \
-             UNION ALL SELECT -2 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded})); \
-             COMMIT; SET autocommit = 1",
+             UNION ALL SELECT -2 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded})), \
+             {CHAINS}; {commit}",
             c.response_status,
             hex(c.response_headers),
             hex(c.response_body),
+            pinned = pinned!(),
+            commit = commit!(),
         );
         match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
-            Ok(rows) => {
-                tx.ended_by_batch();
-                Ok(rows.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?)
-            }
+            // The batch ran to its end, so the read found the recorded
+            // row and the COMMIT ran: a read that cannot be decoded never
+            // becomes "nothing was recorded".
+            Ok(rows) => match expiry(&rows) {
+                Ok((expires_at, chains)) => {
+                    ended(tx, chains).await;
+                    Ok(expires_at)
+                }
+                Err(e) => {
+                    ended(tx, true).await;
+                    Err(committed_unread(e).into())
+                }
+            },
             Err(e) => {
                 tx.rollback().await;
-                Err(e.into())
+                Err(maybe_committed(e).into())
             }
         }
     }
@@ -233,8 +293,12 @@ impl Backend for MySql {
 
     shared_statements!(
         MySql,
-        scope = super::as_text,
+        // Bytes, which no character set of the session converts: a string
+        // would be converted to `character_set_connection` before it meets
+        // the `VARBINARY` column.
+        scope = str::as_bytes,
         fetch = concat!(
+            pinned!(),
             "SELECT status, request_fingerprint, response_status, response_headers, \
              response_body, resource_id, expires_at, \
              CASE WHEN expires_at <= ",
@@ -248,6 +312,7 @@ impl Backend for MySql {
         ),
         // Assignments run left to right: response_status before status.
         mark = concat!(
+            pinned!(),
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
              request_fingerprint, status, response_status, created_at, expires_at) \
              VALUES (?, ?, ?, ?, 'NEEDS_RECONCILIATION', ?, ",
@@ -259,6 +324,7 @@ impl Backend for MySql {
              status = IF(status = 'PROCESSING', 'NEEDS_RECONCILIATION', status)"
         ),
         expire = concat!(
+            pinned!(),
             "UPDATE idempotency_records SET status = 'EXPIRED', response_headers = NULL, \
              response_body = NULL, expires_at = expires_at + ? \
              WHERE status IN ('SUCCEEDED', 'FAILED_FINAL') AND expires_at <= COALESCE(?, ",
@@ -266,6 +332,7 @@ impl Backend for MySql {
             ") LIMIT ?"
         ),
         purge = concat!(
+            pinned!(),
             "DELETE FROM idempotency_records WHERE status = 'EXPIRED' \
              AND expires_at <= COALESCE(?, ",
             now_ms!(),
@@ -329,7 +396,7 @@ impl Backend for MySql {
         // a savepoint `commit_fenced` releases first, so a phase that
         // ended commits nothing, its recovery point included.
         let begin = format!(
-            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION; \
+            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION READ WRITE; \
              {}",
             isolation.as_sql(),
             Savepoint::get().take,
@@ -370,20 +437,27 @@ impl Backend for MySql {
                 return Ok(None);
             }
             let sql = format!(
-                "{}; COMMIT; SET autocommit = 1",
-                DIALECT.expires_at(&mut Vec::new(), scope)
+                "{}SELECT expires_at, {CHAINS} FROM idempotency_records WHERE {}; {}",
+                pinned!(),
+                DIALECT.scope(&mut Vec::new(), scope),
+                commit!(),
             );
             let rows = sqlx::raw_sql(AssertSqlSafe(sql))
                 .fetch_all(&mut *tx)
-                .await?;
-            let expires_at: Option<i64> = rows.first().map(|row| row.try_get(0)).transpose()?;
-            Ok::<_, sqlx::Error>(Some(expires_at.unwrap_or_default()))
+                .await
+                .map_err(maybe_committed)?;
+            // The batch ran to its end: the COMMIT ran.
+            Ok::<_, sqlx::Error>(Some(expiry(&rows).map_err(committed_unread)))
         }
         .await;
         match written {
-            Ok(Some(expires_at)) => {
-                tx.ended_by_batch();
+            Ok(Some(Ok((expires_at, chains)))) => {
+                ended(tx, chains).await;
                 Ok(Some(expires_at))
+            }
+            Ok(Some(Err(e))) => {
+                ended(tx, true).await;
+                Err(e.into())
             }
             Ok(None) => {
                 tx.rollback().await;
@@ -433,16 +507,64 @@ async fn end_or_close(mut conn: PoolConnection<MySql>) {
     }
 }
 
-/// Ends a claimed (or phase) transaction that is not committed: every
-/// end that does not commit is [`END_CLAIM`] (autocommit back on), then
-/// sqlx's count goes back to zero (its `ROLLBACK` of nothing queued for the
-/// connection's next use).
+/// Ends a claimed (or phase) transaction that is not committed: sqlx's
+/// count goes back to zero (its `ROLLBACK`, which a session's
+/// `completion_type = CHAIN` turns into one that opens the next
+/// transaction), then [`END_CLAIM`] ends whatever is open, never chained,
+/// and turns autocommit back on. (A `completion_type = RELEASE` ends the
+/// connection at sqlx's `ROLLBACK`: it is then closed.)
 fn end_claim(conn: &mut PoolConnection<MySql>) -> Ending<'_> {
     Box::pin(async move {
-        sqlx::raw_sql(END_CLAIM).execute(&mut **conn).await?;
         <MySqlTransactionManager as TransactionManager>::start_rollback(&mut **conn);
+        sqlx::raw_sql(END_CLAIM).execute(&mut **conn).await?;
         Ok(())
     })
+}
+
+/// A claimed (or phase) transaction that a batch committed: sqlx's count
+/// goes back to zero. Its `ROLLBACK` of nothing is queued; where the
+/// session's `completion_type` is not `NO_CHAIN` (`chains`) that
+/// `ROLLBACK` opens a transaction (or ends the connection), so it is sent
+/// now and followed by a `ROLLBACK AND NO CHAIN` (one more round trip,
+/// for such sessions only), and the connection never goes back to the
+/// pool inside a transaction.
+async fn ended(tx: Claimed<MySql>, chains: bool) {
+    if chains {
+        tx.ended_by_batch_then("ROLLBACK AND NO CHAIN NO RELEASE")
+            .await;
+    } else {
+        tx.ended_by_batch();
+    }
+}
+
+/// The expiry a committing batch read, and whether the session chains.
+fn expiry(rows: &[sqlx::mysql::MySqlRow]) -> Result<(i64, bool), sqlx::Error> {
+    let row = rows.first().ok_or(sqlx::Error::RowNotFound)?;
+    Ok((row.try_get(0)?, row.try_get::<i64, _>(1)? != 0))
+}
+
+/// A committing batch that ran to its end (so its `COMMIT` ran) but whose
+/// read could not be decoded: reported as an outcome the store cannot
+/// tell (kind [`StoreErrorKind::ConnectionLost`]), so the layer re-reads
+/// the ledger and never answers "nothing was recorded".
+fn committed_unread(e: sqlx::Error) -> sqlx::Error {
+    sqlx::Error::Protocol(format!(
+        "the recording batch committed, but its read of the expiry failed: {e}"
+    ))
+}
+
+/// A committing batch that failed: a server error stops the batch at its
+/// statement, before the `COMMIT`; any other error (the driver could not
+/// read or decode an answer) may have come after it, so the outcome is
+/// one the store cannot tell (kind [`StoreErrorKind::ConnectionLost`]).
+fn maybe_committed(e: sqlx::Error) -> sqlx::Error {
+    if e.as_database_error().is_some() || generic_error_kind(&e).is_some() {
+        e
+    } else {
+        sqlx::Error::Protocol(format!(
+            "the recording batch failed after it was sent and may have committed: {e}"
+        ))
+    }
 }
 
 /// The server's error number, when the error is the server's.
@@ -474,14 +596,17 @@ const LEASE_LOCK_WAIT_SECS: u64 = 5;
 
 /// `sql` with its lock wait bounded for that statement alone.
 fn with_lock_wait(secs: u64, sql: &str) -> String {
-    format!("/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs} FOR */ {sql}")
+    format!(
+        "/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs}, {} FOR */ {sql}",
+        pinned_vars!()
+    )
 }
 
 /// A lease or operator statement: its values are literals (`DIALECT`
 /// binds none), sent as written.
 pub(super) fn stmt(sql: String, args: Args, _cached: bool) -> sqlx::RawSql {
     debug_assert!(args.is_empty(), "MySQL's dialect binds nothing");
-    sqlx::raw_sql(AssertSqlSafe(sql))
+    sqlx::raw_sql(AssertSqlSafe(format!("{}{sql}", pinned!())))
 }
 
 /// Runs one literal statement on the pool; the rows it found.
