@@ -462,11 +462,24 @@ async fn short_deadlines_get_unavailable_with_pushback_never_cancelled<DB: TestD
         )
         .await
     };
+    // A machine this busy may delay the layer's answer past a client's
+    // 60 ms: tonic then cancels at the deadline, whatever the layer does.
+    // A layer that answers within the deadline does so on one of five
+    // tries; one that waits past it (the 250 ms floor it once had) never
+    // does.
     for (instance, channel) in [("same", svc.channel()), ("other", other.clone())] {
         for timeout in ["60m", "150m", "1m"] {
-            let status = with_deadline(channel.clone(), "\"short-1\"", timeout)
+            let mut status = with_deadline(channel.clone(), "\"short-1\"", timeout)
                 .await
                 .unwrap_err();
+            for _ in 1..5 {
+                if status.code() != Code::Cancelled {
+                    break;
+                }
+                status = with_deadline(channel.clone(), "\"short-1\"", timeout)
+                    .await
+                    .unwrap_err();
+            }
             assert_eq!(
                 status.code(),
                 Code::Unavailable,
@@ -480,9 +493,17 @@ async fn short_deadlines_get_unavailable_with_pushback_never_cancelled<DB: TestD
     }
     // A new key with a deadline too short for any read: answered at once,
     // nothing ran.
-    let status = with_deadline(other.clone(), "\"short-2\"", "1m")
+    let mut status = with_deadline(other.clone(), "\"short-2\"", "1m")
         .await
         .unwrap_err();
+    for _ in 1..5 {
+        if status.code() != Code::Cancelled {
+            break;
+        }
+        status = with_deadline(other.clone(), "\"short-2\"", "1m")
+            .await
+            .unwrap_err();
+    }
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     let first = first.await.unwrap().unwrap();
     let again = create(svc.channel(), "\"short-1\"", "alice", order("A-10", 1))

@@ -134,13 +134,15 @@ impl Backend for Postgres {
         // a row this snapshot cannot see. Such a claim moves the lock into
         // a new transaction whose snapshot is taken after it (`relock`, one
         // round trip) and reads again.
-        let relock = AssertSqlSafe(format!(
-            "SELECT pg_advisory_lock({k1}, {k2}); COMMIT; {begin}; \
-             SELECT pg_advisory_unlock({k1}, {k2}); {}",
-            Savepoint::get().take,
-            begin = begin_locked(claim.isolation, k1, k2),
-        ))
-        .into_sql_str();
+        let relock = || {
+            AssertSqlSafe(format!(
+                "SELECT pg_advisory_lock({k1}, {k2}); COMMIT; {begin}; \
+                 SELECT pg_advisory_unlock({k1}, {k2}); {}",
+                Savepoint::get().take,
+                begin = begin_locked(claim.isolation, k1, k2),
+            ))
+            .into_sql_str()
+        };
         let mut fresh = claim.isolation == IsolationLevel::ReadCommitted;
         let mut waited = false;
         let outcome = loop {
@@ -161,7 +163,7 @@ impl Backend for Postgres {
                 }
                 // Ours, on a snapshot that may precede the last holder's
                 // commit.
-                (Some(_), None) => tx.begin_again(relock.clone()).await,
+                (Some(_), None) => tx.begin_again(relock()).await,
                 (None, None) if waited => break ClaimOutcome::InFlight,
                 (None, None) => {
                     waited = true;
@@ -193,7 +195,7 @@ impl Backend for Postgres {
                             .await
                             .map(drop)
                     } else {
-                        tx.begin_again(relock.clone()).await
+                        tx.begin_again(relock()).await
                     }
                 }
             };
