@@ -253,7 +253,7 @@ impl Settling {
                     },
                     Settled::Failed if self.grpc => {
                         let mut trailers = HeaderMap::new();
-                        crate::grpc::trailers_only(
+                        crate::grpc::status::trailers_only(
                             &mut trailers,
                             14,
                             "the answer could not be recorded; nothing was committed, retry with the same key",

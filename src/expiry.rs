@@ -42,10 +42,7 @@ pub(crate) fn is_expired(record: &Record) -> bool {
     record.status == RecordStatus::Expired || (record.status.is_terminal() && record.past_expiry)
 }
 
-/// The response header that tells the client until when its key is honoured
-/// (an HTTP-date), on first answers and replays alike. Retries after that
-/// time get `410 Gone`.
-pub const IDEMPOTENCY_KEY_EXPIRES: &str = "idempotency-key-expires";
+pub use crate::replay::IDEMPOTENCY_KEY_EXPIRES;
 
 /// The default time a tombstone is kept after its key expired: 90 days.
 pub const DEFAULT_TOMBSTONE_RETENTION: Duration = Duration::from_secs(90 * 24 * 60 * 60);

@@ -32,6 +32,11 @@ use crate::problem::{Problem, ProblemKind};
 /// The header added to replayed responses.
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
+/// The response header that tells the client until when its key is honoured
+/// (an HTTP-date), on first answers and replays alike. Retries after that
+/// time get `410 Gone`.
+pub const IDEMPOTENCY_KEY_EXPIRES: &str = "idempotency-key-expires";
+
 /// A response as stored in the ledger.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct StoredResponse {
@@ -139,7 +144,7 @@ impl StoredResponse {
                      than the recording limit ({limit} bytes) and was not kept. Read the \
                      resource it created instead of retrying"
                 );
-                crate::grpc::trailers_only(
+                crate::grpc::status::trailers_only(
                     res.headers_mut(),
                     6,
                     &message,
@@ -223,7 +228,7 @@ pub(crate) const PER_ATTEMPT_HEADERS: [&str; 13] = [
     "connection",
     "te",
     IDEMPOTENT_REPLAYED,
-    crate::expiry::IDEMPOTENCY_KEY_EXPIRES,
+    IDEMPOTENCY_KEY_EXPIRES,
 ];
 
 /// A status HTTP sends without a body (RFC 9110 §6.4.1): `1xx`, `204`,
