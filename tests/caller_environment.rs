@@ -16,12 +16,39 @@ use tower_idempotency::testkit::{Cleanup, ConformanceDb};
 use tower_idempotency::{IdempotencyBody, IdempotencyLayer, IsolationLevel, Principal, Tx};
 
 fn request(key: &str) -> Request<String> {
+    request_as("p", key)
+}
+
+fn request_as(principal: &str, key: &str) -> Request<String> {
     let mut req = Request::post("/x")
         .header("idempotency-key", key)
         .body(String::new())
         .unwrap();
-    req.extensions_mut().insert(Principal::new("p"));
+    req.extensions_mut().insert(Principal::new(principal));
     req
+}
+
+/// Sends one request of `principal` per key of `keys`, in order, through
+/// `service`; each answer's status and body.
+async fn send_keys<S, B>(service: S, principal: &str, keys: &[&str]) -> Vec<(StatusCode, String)>
+where
+    S: tower::Service<Request<String>, Response = Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let mut answers = Vec::new();
+    for key in keys {
+        let res = service
+            .clone()
+            .oneshot(request_as(principal, key))
+            .await
+            .unwrap();
+        let status = res.status();
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        answers.push((status, String::from_utf8_lossy(&body).into_owned()));
+    }
+    answers
 }
 
 /// Runs one request through a layer whose handler answers with `probe`'s
@@ -373,17 +400,7 @@ async fn postgres_a_handlers_search_path_never_moves_the_ledger() {
     let service = ServiceBuilder::new()
         .layer(IdempotencyLayer::new(pool.clone()).unscoped())
         .service_fn(handler);
-    let mut answers = Vec::new();
-    for _ in 0..3 {
-        let res = service
-            .clone()
-            .oneshot(request("tenant-key"))
-            .await
-            .unwrap();
-        let status = res.status();
-        let body = res.into_body().collect().await.unwrap().to_bytes();
-        answers.push((status, body));
-    }
+    let answers = send_keys(service, "p", &["tenant-key"; 3]).await;
     assert!(answers.iter().all(|a| a == &answers[0]), "{answers:?}");
     assert_eq!(answers[0].0, StatusCode::CREATED);
     assert_eq!(runs.load(Ordering::SeqCst), 1, "one execution");
@@ -449,13 +466,12 @@ async fn sqlite_a_temporary_table_never_captures_the_ledger() {
     let service = ServiceBuilder::new()
         .layer(IdempotencyLayer::new(pool.clone()).unscoped())
         .service_fn(handler);
-    let mut answers = Vec::new();
-    for key in ["temp-1", "temp-1", "temp-2", "temp-1", "temp-2"] {
-        let res = service.clone().oneshot(request(key)).await.unwrap();
-        let status = res.status();
-        let body = res.into_body().collect().await.unwrap().to_bytes();
-        answers.push((status, body));
-    }
+    let answers = send_keys(
+        service,
+        "p",
+        &["temp-1", "temp-1", "temp-2", "temp-1", "temp-2"],
+    )
+    .await;
     assert!(
         answers
             .iter()
@@ -518,18 +534,7 @@ async fn mysql_session_keeps_the_ledger(statement: &'static str) -> Vec<(StatusC
         .layer(IdempotencyLayer::new(pool.clone()))
         .service_fn(handler);
     let principal = "Jos\u{e9} M\u{fc}ller \u{5c71}\u{7530}";
-    let mut answers = Vec::new();
-    for key in ["k-1", "k-1", "k-1", "k-2", "k-2"] {
-        let mut req = Request::post("/orders")
-            .header("idempotency-key", key)
-            .body(String::new())
-            .unwrap();
-        req.extensions_mut().insert(Principal::new(principal));
-        let res = service.clone().oneshot(req).await.unwrap();
-        let status = res.status();
-        let body = res.into_body().collect().await.unwrap().to_bytes();
-        answers.push((status, String::from_utf8_lossy(&body).into_owned()));
-    }
+    let answers = send_keys(service, principal, &["k-1", "k-1", "k-1", "k-2", "k-2"]).await;
     // The pooled connection is never left inside a transaction.
     let open: i64 = sqlx::query_scalar(
         "SET STATEMENT sql_select_limit = DEFAULT FOR SELECT CAST(@@in_transaction AS SIGNED)",
