@@ -47,6 +47,8 @@ pub(crate) struct Config {
     /// Whether the pool keeps a statement cache (see
     /// [`caches_statements`](crate::store::caches_statements)).
     pub(crate) cached_statements: bool,
+    /// See [`Backend::database`](crate::store::Backend::database).
+    pub(crate) database: Option<Arc<str>>,
     pub(crate) max_waiting: usize,
     /// How many pooled connections each principal's requests may hold,
     /// and the slots they hold now.

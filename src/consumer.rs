@@ -119,6 +119,7 @@
 
 use std::future::Future;
 use std::panic::resume_unwind;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -242,6 +243,8 @@ pub struct Consumer<DB: Backend> {
     check_payload: bool,
     isolation: IsolationLevel,
     cached_statements: bool,
+    /// See [`Backend::database`].
+    database: Option<Arc<str>>,
 }
 
 impl<DB: Backend> Clone for Consumer<DB> {
@@ -249,6 +252,7 @@ impl<DB: Backend> Clone for Consumer<DB> {
         Self {
             pool: self.pool.clone(),
             subscriber: self.subscriber.clone(),
+            database: self.database.clone(),
             ..*self
         }
     }
@@ -273,6 +277,7 @@ impl<DB: Backend> Consumer<DB> {
     pub fn new(pool: Pool<DB>, subscriber: impl Into<String>) -> Self {
         Self {
             cached_statements: crate::store::caches_statements(&pool),
+            database: DB::database(&pool),
             pool,
             subscriber: bounded(&subscriber.into()).into_owned(),
             retention: Duration::from_secs(7 * 24 * 3600),
@@ -410,6 +415,7 @@ impl<DB: Backend> Consumer<DB> {
             lock_wait: Duration::ZERO,
             isolation: self.isolation,
             cached_statements: self.cached_statements,
+            database: self.database.as_deref(),
         };
         match DB::finish(&self.pool, tx, &claim, &done).await {
             Ok(_) => {
@@ -475,6 +481,7 @@ impl<DB: Backend> Consumer<DB> {
                 lock_wait: left.max(Duration::from_millis(1)),
                 isolation: self.isolation,
                 cached_statements: self.cached_statements,
+                database: self.database.as_deref(),
             };
             // The wait for the claim's task is bounded here, whatever the
             // store's own lock wait granularity (SQLite's busy timeout,

@@ -217,6 +217,7 @@ impl<DB: Backend> KeyStatus<DB> {
             lock_wait: PROBE_WAIT,
             isolation: self.config.isolation,
             cached_statements: self.config.cached_statements,
+            database: self.config.database.as_deref(),
         };
         let conn = match tokio::time::timeout(PROBE_WAIT * 5, self.pool.acquire()).await {
             Ok(conn) => conn?,

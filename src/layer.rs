@@ -57,6 +57,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         let max_waiting = default_max_waiting(max_connections);
         let turns = default_turns::<DB>(max_connections);
         let cached_statements = crate::store::caches_statements(&pool);
+        let database = DB::database(&pool);
         Self {
             pool,
             config: Config {
@@ -85,6 +86,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 local: Arc::default(),
                 isolation: IsolationLevel::default(),
                 cached_statements,
+                database,
                 max_waiting,
                 waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
                 principal_slots: Arc::new(turns),

@@ -489,9 +489,9 @@ async fn sqlite_a_temporary_table_never_captures_the_ledger() {
 }
 
 /// Issue 33, point 4b (MySQL/MariaDB): on a pool of one connection, a
-/// handler runs `statement` (a session setting, which persists on the
-/// connection after the request), then inserts an order on the claimed
-/// transaction. The same key is sent `tries` times by a non-ASCII
+/// handler inserts an order on the claimed transaction, then runs
+/// `statement` (a session setting, which persists on the connection after
+/// the request). The same key is sent `tries` times by a non-ASCII
 /// principal, then once more by the same principal under a fresh key.
 /// Judged by the rows committed: one order and one `SUCCEEDED` row per
 /// key, every answer of a key the first one (a replay), and no answer ever
@@ -507,20 +507,27 @@ async fn mysql_session_keeps_the_ledger(statement: &'static str) -> Vec<(StatusC
         .execute(&pool)
         .await
         .unwrap();
+    let db: String = sqlx::query_scalar("SELECT DATABASE()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let handler = {
         let runs = Arc::clone(&runs);
         move |req: Request<IdempotencyBody<String>>| {
             let runs = Arc::clone(&runs);
+            let db = db.clone();
             async move {
                 runs.fetch_add(1, Ordering::SeqCst);
                 let tx = req.extensions().get::<Tx<sqlx::MySql>>().cloned().unwrap();
                 let mut conn = tx.lock().unwrap();
-                sqlx::raw_sql(statement).execute(&mut *conn).await.unwrap();
-                let done = sqlx::raw_sql("INSERT INTO orders () VALUES ()")
+                // Qualified: the statement may be a `USE`.
+                let insert = format!("INSERT INTO `{db}`.orders () VALUES ()");
+                let done = sqlx::raw_sql(sqlx::AssertSqlSafe(insert))
                     .execute(&mut *conn)
                     .await
                     .unwrap();
+                sqlx::raw_sql(statement).execute(&mut *conn).await.unwrap();
                 Ok::<_, Infallible>(
                     Response::builder()
                         .status(201)
@@ -671,4 +678,31 @@ async fn mysql_a_read_only_session_never_refuses_the_claim() {
     ] {
         mysql_session_is_immune(statement).await;
     }
+}
+
+/// A `TEMPORARY` table named like the ledger shadows the table on its
+/// connection, qualified or not (MariaDB resolves `db.name` to the
+/// temporary table first). Before: a retry on that connection won a
+/// second claim in the temporary table, and one key committed a second
+/// order. The layer's statements go through a view, which never resolves
+/// to a temporary table.
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_temporary_table_never_captures_the_ledger() {
+    mysql_session_is_immune(
+        "CREATE TEMPORARY TABLE IF NOT EXISTS idempotency_records \
+         SELECT * FROM idempotency_records WHERE 0 = 1",
+    )
+    .await;
+}
+
+/// A handler's `USE` changes the connection's database for the rest of
+/// its life in the pool. Every ledger statement names the database the
+/// pool's connect options name, so the ledger never moves (before: the
+/// next claim on that connection read and wrote another database's ledger,
+/// or failed for want of one).
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_handlers_use_never_moves_the_ledger() {
+    mysql_session_is_immune("USE test").await;
 }

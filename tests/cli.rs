@@ -340,10 +340,10 @@ async fn sweep_status_and_migrate<DB: Store>() {
     let first = cli(&url, &["migrate", "--json"]).await;
     assert_eq!(first.code, 0, "{first:?}");
     let applied = first.json_lines();
-    let (expected, last) = if DB::LABEL == "postgres" {
-        (8, "scope_lock_wait")
-    } else {
-        (6, "operator_audit")
+    let (expected, last) = match DB::LABEL {
+        "postgres" => (8, "scope_lock_wait"),
+        "mysql" => (7, "ledger_view"),
+        _ => (6, "operator_audit"),
     };
     assert_eq!(applied.len(), expected, "{first:?}");
     assert_eq!(applied[0]["applied"], 1);
@@ -540,6 +540,7 @@ async fn unresolved_and_show_print_scopes_whole_and_escaped<DB: Store>() {
     use tower_idempotency::store::{Claim, Scope};
     let (pool, _drop) = DB::fresh().await;
     let url = DB::url_of(&pool);
+    let database = DB::database(&pool);
     let principal = "tenant-with-a-rather-long-name-\u{1b}[31m-red";
     let operation = "POST /payments";
     let key = "8e03978e-40d1-4c5b-9d2e-0123456789ab";
@@ -554,6 +555,7 @@ async fn unresolved_and_show_print_scopes_whole_and_escaped<DB: Store>() {
         lock_wait: Duration::ZERO,
         isolation: Default::default(),
         cached_statements: true,
+        database: database.as_deref(),
     };
     DB::mark_unresolved(&pool, &claim, 500).await.unwrap();
     let table = cli(&url, &["unresolved"]).await;
@@ -586,6 +588,7 @@ async fn a_quoted_key_is_read_as_sent_and_an_ambiguous_one_is_never_resolved<DB:
     use tower_idempotency::store::{Claim, Scope};
     let (pool, _drop) = DB::fresh().await;
     let url = DB::url_of(&pool);
+    let database = DB::database(&pool);
     for key in ["abc", "\"abc\"", "xyz"] {
         let claim = Claim {
             scope: Scope {
@@ -598,6 +601,7 @@ async fn a_quoted_key_is_read_as_sent_and_an_ambiguous_one_is_never_resolved<DB:
             lock_wait: Duration::ZERO,
             isolation: Default::default(),
             cached_statements: true,
+            database: database.as_deref(),
         };
         DB::mark_unresolved(&pool, &claim, 500).await.unwrap();
     }

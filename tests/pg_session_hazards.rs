@@ -257,6 +257,7 @@ async fn a_lease_write_behind_a_held_row_waits_within_its_bound() {
         lock_wait: Duration::from_secs(1),
         isolation: IsolationLevel::ReadCommitted,
         cached_statements: true,
+        database: None,
     };
     assert!(
         sqlx::Postgres::lease_claim(&pool, &claim, 30_000, "c1")

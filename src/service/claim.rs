@@ -166,6 +166,7 @@ impl<DB: Backend> Run<DB> {
             lock_wait,
             isolation: cfg.isolation,
             cached_statements: cfg.cached_statements,
+            database: cfg.database.as_deref(),
         };
         // The claim runs as its own task: a caller whose deadline comes
         // first stops waiting for it (a lock wait on SQLite is its

@@ -392,7 +392,7 @@ impl<DB: Backend> Run<DB> {
 impl<DB: Backend> Run<DB> {
     /// What the ledger keeps of `id`'s claim: its scope, fingerprint and
     /// retention.
-    fn ledger_claim<'a>(&self, id: &'a Identity<'_>) -> Claim<'a> {
+    fn ledger_claim<'a>(&'a self, id: &'a Identity<'_>) -> Claim<'a> {
         Claim {
             scope: id.scope,
             fingerprint: id.fingerprint.as_bytes(),
@@ -400,6 +400,7 @@ impl<DB: Backend> Run<DB> {
             lock_wait: Duration::ZERO,
             isolation: self.config.isolation,
             cached_statements: self.config.cached_statements,
+            database: self.config.database.as_deref(),
         }
     }
 }

@@ -81,6 +81,7 @@ impl<DB: Backend> Run<DB> {
                 lock_wait: left.clamp(Duration::from_millis(1), MIN_READ_WAIT),
                 isolation: cfg.isolation,
                 cached_statements: cfg.cached_statements,
+                database: cfg.database.as_deref(),
             };
             let claim_id = new_claim_id(id.fingerprint.as_bytes());
             let owning = Owning::Claim {

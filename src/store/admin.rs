@@ -262,7 +262,7 @@ macro_rules! admin_backend {
                     $lock
                 );
                 let cached = super::caches_statements(pool);
-                let Some(row) = $stmt(bound(read), a, cached)
+                let Some(row) = $stmt(pool, bound(read), a, cached)
                     .fetch_optional(&mut *tx)
                     .await?
                 else {
@@ -272,14 +272,14 @@ macro_rules! admin_backend {
                 let before = ledger_row(&row)?.before_json().to_string();
                 let mut a = Vec::new();
                 let write = bound(d.write(&mut a, scope, fence, write));
-                let done = $stmt(write, a, cached).execute(&mut *tx).await?;
+                let done = $stmt(pool, write, a, cached).execute(&mut *tx).await?;
                 if done.rows_affected() != 1 {
                     tx.rollback().await?;
                     return Ok(false);
                 }
                 let mut a = Vec::new();
                 let insert = d.audit_insert(&mut a, scope, note, &before);
-                $stmt(insert, a, cached).execute(&mut *tx).await?;
+                $stmt(pool, insert, a, cached).execute(&mut *tx).await?;
                 tx.commit().await?;
                 Ok(true)
             }
@@ -291,7 +291,7 @@ macro_rules! admin_backend {
                 let d: &Dialect = &$dialect;
                 let mut a = Vec::new();
                 let sql = format!("{} WHERE {}", d.row_select(), d.scope(&mut a, scope));
-                super::on_ledger!($db, pool, |ex, cached| $stmt(sql, a, cached)
+                super::on_ledger!($db, pool, |ex, cached| $stmt(pool, sql, a, cached)
                     .fetch_optional(ex))
                 .as_ref()
                 .map(ledger_row)
@@ -308,11 +308,12 @@ macro_rules! admin_backend {
                 // newest rows), oldest first in the answer.
                 let mut a = Vec::new();
                 let sql = d.audit_select(&mut a, scope, limit);
-                let mut trail = super::on_ledger!($db, pool, |ex, cached| $stmt(sql, a, cached)
-                    .fetch_all(ex))
-                .iter()
-                .map(audit_entry)
-                .collect::<Result<Vec<_>, _>>()?;
+                let mut trail =
+                    super::on_ledger!($db, pool, |ex, cached| $stmt(pool, sql, a, cached)
+                        .fetch_all(ex))
+                    .iter()
+                    .map(audit_entry)
+                    .collect::<Result<Vec<_>, _>>()?;
                 trail.reverse();
                 Ok(trail)
             }
@@ -324,7 +325,7 @@ macro_rules! admin_backend {
                 let d: &Dialect = &$dialect;
                 let sql = d.status_groups();
                 let groups =
-                    super::on_ledger!($db, pool, |ex, cached| $stmt(sql, Vec::new(), cached)
+                    super::on_ledger!($db, pool, |ex, cached| $stmt(pool, sql, Vec::new(), cached)
                         .fetch_all(ex))
                     .iter()
                     .map(|row| {
@@ -340,7 +341,7 @@ macro_rules! admin_backend {
                 let now = <$db as AdminBackend>::clock(pool).await?;
                 let sql = d.status_leases(now);
                 let leases =
-                    super::on_ledger!($db, pool, |ex, cached| $stmt(sql, Vec::new(), cached)
+                    super::on_ledger!($db, pool, |ex, cached| $stmt(pool, sql, Vec::new(), cached)
                         .fetch_one(ex));
                 let (unresolved, oldest_unresolved, _) =
                     <$db as Backend>::count_unresolved(pool, stranded_ms).await?;
@@ -370,7 +371,7 @@ macro_rules! admin_backend {
             async fn clock(pool: &Pool<Self>) -> Result<i64, sqlx::Error> {
                 let d: &Dialect = &$dialect;
                 let sql = format!("SELECT {}", d.now);
-                super::on_ledger!($db, pool, |ex, cached| $stmt(sql, Vec::new(), cached)
+                super::on_ledger!($db, pool, |ex, cached| $stmt(pool, sql, Vec::new(), cached)
                     .fetch_one(ex))
                 .try_get(0)
             }
@@ -394,8 +395,9 @@ macro_rules! admin_backend {
                 let d: &Dialect = &$dialect;
                 let now = <$db as AdminBackend>::clock(pool).await?;
                 let sql = d.sweep_counts(now);
-                let row = super::on_ledger!($db, pool, |ex, cached| $stmt(sql, Vec::new(), cached)
-                    .fetch_one(ex));
+                let row =
+                    super::on_ledger!($db, pool, |ex, cached| $stmt(pool, sql, Vec::new(), cached)
+                        .fetch_one(ex));
                 Ok(SweepPreview {
                     expirable: row.try_get(0)?,
                     purgeable: row.try_get(1)?,

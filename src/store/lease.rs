@@ -512,7 +512,7 @@ macro_rules! list_leases {
             }
             let mut args = Vec::new();
             let sql = DIALECT.list(&mut args, operations, limit);
-            $crate::store::on_ledger!(Self, pool, |ex, cached| stmt(sql, args, cached)
+            $crate::store::on_ledger!(Self, pool, |ex, cached| stmt(pool, sql, args, cached)
                 .fetch_all(ex))
             .iter()
             .map(|row| {
@@ -535,7 +535,7 @@ macro_rules! list_unresolved {
         ) -> Result<Vec<$crate::store::UnresolvedRecord>, sqlx::Error> {
             use sqlx::FromRow as _;
             let sql = DIALECT.unresolved(limit, stranded_ms);
-            $crate::store::on_ledger!(Self, pool, |ex, cached| stmt(sql, Vec::new(), cached)
+            $crate::store::on_ledger!(Self, pool, |ex, cached| stmt(pool, sql, Vec::new(), cached)
                 .fetch_all(ex))
             .iter()
             .map(|row| {
@@ -561,9 +561,13 @@ macro_rules! count_unresolved {
                 DIALECT.now,
                 DIALECT.unresolved_where(stranded_ms)
             );
-            let row =
-                $crate::store::on_ledger!(Self, pool, |ex, cached| stmt(sql, Vec::new(), cached)
-                    .fetch_one(ex));
+            let row = $crate::store::on_ledger!(Self, pool, |ex, cached| stmt(
+                pool,
+                sql,
+                Vec::new(),
+                cached
+            )
+            .fetch_one(ex));
             <(i64, Option<i64>, i64)>::from_row(&row)
         }
     };

@@ -41,9 +41,11 @@
 //! `AND NO CHAIN NO RELEASE` whatever `completion_type` says, and no
 //! connection goes back to the pool inside a transaction; the claimed
 //! transaction is `READ WRITE` whatever `tx_read_only` says. A recording
-//! that ran to its `COMMIT` is never answered "nothing was recorded". A
-//! MariaDB `TEMPORARY` table named `idempotency_records` is not detected
-//! yet. See `docs/choices.md`, "The caller's session on MySQL/MariaDB".
+//! that ran to its `COMMIT` is never answered "nothing was recorded".
+//! Every ledger statement names the view `tower_idempotency_ledger` in the
+//! pool's database ([`Backend::database`]), so neither a handler's `USE`
+//! nor its `TEMPORARY` table named `idempotency_records` moves the ledger.
+//! See `docs/choices.md`, "The caller's session on MySQL/MariaDB".
 //!
 //! # One clock
 //!
@@ -63,6 +65,7 @@
 //! the migrations table) is upgraded in place.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
@@ -166,6 +169,10 @@ pub struct Claim<'a> {
     /// the connection ([`caches_statements`] of the pool); `false`: parsed
     /// afresh on every use and never left on a server connection.
     pub cached_statements: bool,
+    /// The database every ledger statement names, where a store names one
+    /// ([`Backend::database`]: MySQL/MariaDB's, from the pool's connect
+    /// options), so that a handler's `USE` never moves the ledger.
+    pub database: Option<&'a str>,
 }
 
 /// Whether `pool`'s connections keep sqlx's statement cache (its default).
@@ -228,6 +235,25 @@ pub trait Backend: Database {
     /// one of its requests claim at a time, and principals take turns at
     /// the writer in its own fair queue instead of polling the lock.
     const ONE_WRITER: bool = false;
+
+    /// The database `pool`'s ledger statements name, read once from its
+    /// connect options when a layer or consumer is built: MySQL/MariaDB's
+    /// database (a handler's `USE` changes the connection's current one),
+    /// `None` where the store finds its ledger otherwise (PostgreSQL reads
+    /// the ledger's schema in the claim; SQLite names `main`).
+    fn database(pool: &Pool<Self>) -> Option<Arc<str>> {
+        let _ = pool;
+        None
+    }
+
+    /// A shared ledger statement's text (written against
+    /// `idempotency_records`) as `pool`'s store sends it: unchanged, or on
+    /// MySQL/MariaDB naming the ledger's view in the pool's database.
+    #[doc(hidden)]
+    fn ledger_sql(pool: &Pool<Self>, sql: &'static str) -> sqlx::SqlStr {
+        let _ = pool;
+        sqlx::SqlSafeStr::into_sql_str(sql)
+    }
 
     /// Applies the missing versioned migrations, under a lock. Safe to
     /// re-run and to run from several instances at once.
@@ -527,12 +553,14 @@ macro_rules! shared_statements {
             keep_ms: i64,
             limit: i64,
         ) -> Result<u64, sqlx::Error> {
-            let done = $crate::store::on_ledger!($db, pool, |ex, cached| sqlx::query($expire)
-                .persistent(cached)
-                .bind(keep_ms)
-                .bind(now)
-                .bind(limit)
-                .execute(ex));
+            let done = $crate::store::on_ledger!($db, pool, |ex, cached| sqlx::query(
+                <$db as $crate::store::Backend>::ledger_sql(pool, $expire)
+            )
+            .persistent(cached)
+            .bind(keep_ms)
+            .bind(now)
+            .bind(limit)
+            .execute(ex));
             Ok(done.rows_affected())
         }
 
@@ -541,11 +569,13 @@ macro_rules! shared_statements {
             now: Option<i64>,
             limit: i64,
         ) -> Result<u64, sqlx::Error> {
-            let done = $crate::store::on_ledger!($db, pool, |ex, cached| sqlx::query($purge)
-                .persistent(cached)
-                .bind(now)
-                .bind(limit)
-                .execute(ex));
+            let done = $crate::store::on_ledger!($db, pool, |ex, cached| sqlx::query(
+                <$db as $crate::store::Backend>::ledger_sql(pool, $purge)
+            )
+            .persistent(cached)
+            .bind(now)
+            .bind(limit)
+            .execute(ex));
             Ok(done.rows_affected())
         }
 
@@ -554,12 +584,14 @@ macro_rules! shared_statements {
             scope: &$crate::store::Scope<'_>,
         ) -> Result<Option<$crate::store::Record>, sqlx::Error> {
             $crate::store::on_ledger!($db, pool, |ex, cached| {
-                sqlx::query_as::<_, $crate::store::RecordRow>($fetch)
-                    .persistent(cached)
-                    .bind($scope(scope.principal))
-                    .bind($scope(scope.operation))
-                    .bind($scope(scope.key))
-                    .fetch_optional(ex)
+                sqlx::query_as::<_, $crate::store::RecordRow>(
+                    <$db as $crate::store::Backend>::ledger_sql(pool, $fetch),
+                )
+                .persistent(cached)
+                .bind($scope(scope.principal))
+                .bind($scope(scope.operation))
+                .bind($scope(scope.key))
+                .fetch_optional(ex)
             })
             .map($crate::store::record_from_row)
             .transpose()
@@ -570,15 +602,17 @@ macro_rules! shared_statements {
             claim: &$crate::store::Claim<'_>,
             response_status: i32,
         ) -> Result<u64, sqlx::Error> {
-            let done = $crate::store::on_ledger!($db, pool, |ex, cached| sqlx::query($mark)
-                .persistent(cached)
-                .bind($scope(claim.scope.principal))
-                .bind($scope(claim.scope.operation))
-                .bind($scope(claim.scope.key))
-                .bind(claim.fingerprint)
-                .bind(response_status)
-                .bind(claim.retention_ms)
-                .execute(ex));
+            let done = $crate::store::on_ledger!($db, pool, |ex, cached| sqlx::query(
+                <$db as $crate::store::Backend>::ledger_sql(pool, $mark)
+            )
+            .persistent(cached)
+            .bind($scope(claim.scope.principal))
+            .bind($scope(claim.scope.operation))
+            .bind($scope(claim.scope.key))
+            .bind(claim.fingerprint)
+            .bind(response_status)
+            .bind(claim.retention_ms)
+            .execute(ex));
             Ok(done.rows_affected())
         }
     };

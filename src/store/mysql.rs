@@ -96,10 +96,38 @@ const MIGRATIONS: &[Migration] = migrations!(
     4 => "0004_lease_mode",
     5 => "0005_claim_fence",
     6 => "0006_operator_audit",
+    7 => "0007_ledger_view",
 );
+
+/// The view every ledger statement names instead of the table
+/// (`migrations/mysql/0007_ledger_view.sql`): a `TEMPORARY` table named
+/// `idempotency_records` shadows the table on the connection that made it,
+/// qualified or not, but never a view's table.
+const LEDGER_VIEW: &str = "tower_idempotency_ledger";
+
+/// `sql` (written against `idempotency_records` and
+/// `tower_idempotency_audit`) naming the ledger's view and the audit table
+/// in `database`, the pool's (see [`Backend::database`]): neither a
+/// handler's temporary table nor its `USE` moves the ledger.
+fn in_ledger(sql: &str, database: Option<&str>) -> String {
+    let db = database.map_or_else(String::new, |db| format!("`{}`.", db.replace('`', "``")));
+    sql.replace(" idempotency_records", &format!(" {db}{LEDGER_VIEW}"))
+        .replace(
+            " tower_idempotency_audit",
+            &format!(" {db}tower_idempotency_audit"),
+        )
+}
 
 impl Backend for MySql {
     const CLAIMS_RUN_WITHOUT_AUTOCOMMIT: bool = true;
+
+    fn database(pool: &Pool<Self>) -> Option<std::sync::Arc<str>> {
+        pool.connect_options().get_database().map(Into::into)
+    }
+
+    fn ledger_sql(pool: &Pool<Self>, sql: &'static str) -> sqlx::SqlStr {
+        AssertSqlSafe(in_ledger(sql, Self::database(pool).as_deref())).into_sql_str()
+    }
 
     async fn migrate(pool: &Pool<Self>) -> Result<(), sqlx::Error> {
         // MySQL's DDL commits implicitly, so the lock is a named session
@@ -184,6 +212,7 @@ impl Backend for MySql {
             now = now_ms!(),
             pinned = pinned_vars!(),
         );
+        let sql = in_ledger(&sql, claim.database);
         let waits = !NO_SYNC_WAIT.load(Ordering::Relaxed);
         let first = if waits {
             format!("{SYNC_READ}{sql}")
@@ -263,6 +292,7 @@ impl Backend for MySql {
             pinned = pinned!(),
             commit = commit!(),
         );
+        let sql = in_ledger(&sql, claim.database);
         match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
             // The batch ran to its end, so the read found the recorded
             // row and the COMMIT ran: a read that cannot be decoded never
@@ -412,7 +442,7 @@ impl Backend for MySql {
     }
 
     async fn commit_fenced(
-        _pool: &Pool<Self>,
+        pool: &Pool<Self>,
         mut tx: Claimed<Self>,
         scope: &Scope<'_>,
         fence: Fence<'_>,
@@ -422,6 +452,7 @@ impl Backend for MySql {
         // error of kind `TransactionEnded` otherwise), then the fenced
         // write. The affected-row count is the count of rows found (sqlx
         // asks for found rows), so it says whether the fence matched.
+        let database = Self::database(pool);
         let written = async {
             let sql = format!(
                 "{}; {}",
@@ -432,6 +463,7 @@ impl Backend for MySql {
                     &DIALECT.write(&mut Vec::new(), scope, fence, write)
                 )
             );
+            let sql = in_ledger(&sql, database.as_deref());
             let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
             if done.rows_affected() != 1 {
                 return Ok(None);
@@ -442,6 +474,7 @@ impl Backend for MySql {
                 DIALECT.scope(&mut Vec::new(), scope),
                 commit!(),
             );
+            let sql = in_ledger(&sql, database.as_deref());
             let rows = sqlx::raw_sql(AssertSqlSafe(sql))
                 .fetch_all(&mut *tx)
                 .await
@@ -604,13 +637,15 @@ fn with_lock_wait(secs: u64, sql: &str) -> String {
 
 /// A lease or operator statement: its values are literals (`DIALECT`
 /// binds none), sent as written.
-pub(super) fn stmt(sql: String, args: Args, _cached: bool) -> sqlx::RawSql {
+pub(super) fn stmt(pool: &Pool<MySql>, sql: String, args: Args, _cached: bool) -> sqlx::RawSql {
     debug_assert!(args.is_empty(), "MySQL's dialect binds nothing");
+    let sql = in_ledger(&sql, MySql::database(pool).as_deref());
     sqlx::raw_sql(AssertSqlSafe(format!("{}{sql}", pinned!())))
 }
 
 /// Runs one literal statement on the pool; the rows it found.
 async fn execute(pool: &Pool<MySql>, sql: String) -> Result<u64, sqlx::Error> {
+    let sql = in_ledger(&sql, MySql::database(pool).as_deref());
     Ok(sqlx::raw_sql(AssertSqlSafe(sql))
         .execute(pool)
         .await?

@@ -411,7 +411,7 @@ impl Backend for Postgres {
              SELECT max(expires_at), txid_current() FROM done",
             DIALECT.write(&mut a, scope, fence, write)
         );
-        let written = stmt(sql, a, super::caches_statements(pool))
+        let written = stmt(pool, sql, a, super::caches_statements(pool))
             .fetch_one(&mut *tx)
             .await;
         let (expires_at, xid) = match written.and_then(|row| <(Option<i64>, i64)>::from_row(&row)) {
@@ -599,6 +599,7 @@ pub(super) const DIALECT: Dialect = Dialect {
 /// unnamed, in a transaction of its own when outside one: see
 /// `on_ledger!`). Nothing of a request is ever part of its text.
 pub(super) fn stmt(
+    _pool: &Pool<Postgres>,
     sql: String,
     args: Args,
     cached: bool,
@@ -612,7 +613,7 @@ pub(super) fn stmt(
 /// Runs one lease statement on the pool (where the pool keeps no
 /// statement cache, in a transaction of its own); the rows it changed.
 async fn execute(pool: &Pool<Postgres>, sql: String, args: Args) -> Result<u64, sqlx::Error> {
-    let done = super::on_ledger!(Postgres, pool, |ex, cached| stmt(sql, args, cached)
+    let done = super::on_ledger!(Postgres, pool, |ex, cached| stmt(pool, sql, args, cached)
         .execute(ex));
     Ok(done.rows_affected())
 }

@@ -300,7 +300,7 @@ pub(super) const DIALECT: Dialect = Dialect {
 /// A lease or operator statement: its values are literals (`DIALECT`
 /// binds none), sent as written, with the ledger's tables named in the
 /// `main` database (see [`in_main`]).
-pub(super) fn stmt(sql: String, args: Args, _cached: bool) -> sqlx::RawSql {
+pub(super) fn stmt(_pool: &Pool<Sqlite>, sql: String, args: Args, _cached: bool) -> sqlx::RawSql {
     debug_assert!(args.is_empty(), "SQLite's dialect binds nothing");
     sqlx::raw_sql(AssertSqlSafe(in_main(&sql)))
 }

@@ -3,6 +3,7 @@
 //! or a won lease without an owner.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Pool;
@@ -151,6 +152,7 @@ pub(crate) struct OwnedClaim {
     lock_wait: Duration,
     isolation: IsolationLevel,
     cached_statements: bool,
+    database: Option<Arc<str>>,
 }
 
 impl OwnedClaim {
@@ -164,6 +166,7 @@ impl OwnedClaim {
             lock_wait: claim.lock_wait,
             isolation: claim.isolation,
             cached_statements: claim.cached_statements,
+            database: claim.database.map(Arc::from),
         }
     }
 
@@ -179,6 +182,7 @@ impl OwnedClaim {
             lock_wait: self.lock_wait,
             isolation: self.isolation,
             cached_statements: self.cached_statements,
+            database: self.database.as_deref(),
         }
     }
 }

@@ -1576,8 +1576,13 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
     }
     let pool = &pools[0];
     // PostgreSQL's v6 is its claim functions; v7 (v6 elsewhere) is the
-    // operators' audit trail; v8 (PostgreSQL) the scope lock's wait.
-    let versions = if DB::LABEL == "postgres" { 8 } else { 6 };
+    // operators' audit trail; v8 (PostgreSQL) the scope lock's wait, v7
+    // (MySQL/MariaDB) the ledger's view.
+    let versions = match DB::LABEL {
+        "postgres" => 8,
+        "mysql" => 7,
+        _ => 6,
+    };
     assert_eq!(
         DB::count(pool, "SELECT COUNT(*) FROM tower_idempotency_migrations").await,
         versions

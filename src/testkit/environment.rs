@@ -196,7 +196,17 @@ const MYSQL_SESSION: &[Setting] = &[
     },
 ];
 
-const MYSQL_HANDLER: &[Setting] = &[NOTHING, SAVEPOINTS[0], SAVEPOINTS[1]];
+const MYSQL_HANDLER: &[Setting] = &[
+    NOTHING,
+    SAVEPOINTS[0],
+    SAVEPOINTS[1],
+    Setting {
+        name: "a TEMPORARY table named idempotency_records",
+        setup: &[],
+        statements: &["CREATE TEMPORARY TABLE IF NOT EXISTS idempotency_records \
+             SELECT * FROM idempotency_records WHERE 0 = 1"],
+    },
+];
 
 const SQLITE_ISOLATION: &[IsolationLevel] = &[IsolationLevel::ReadCommitted];
 
