@@ -346,6 +346,7 @@ impl Problem {
     }
 
     /// Logs `cause` with the refusal's log line, never sending it.
+    #[cfg(feature = "axum")]
     pub(crate) fn cause(mut self, cause: impl std::fmt::Display) -> Self {
         self.cause = Some(cause.to_string());
         self
