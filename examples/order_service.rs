@@ -33,7 +33,11 @@
 //!    every minute, turning expired answers into tombstones and deleting
 //!    tombstones after 90 days.
 //!
-//! Other routes: `PUT /stock/{sku}` `{"qty":N}` sets stock (idempotent by
+//! Other routes: `PATCH /orders/{id}` `{"memo":"…"}` changes an order's
+//! memo and appends the change to its history (guarded like `POST`: a key
+//! required, a retry replayed, never a second change); `DELETE /orders/{id}`
+//! deletes it (idempotent by nature, so unguarded: `204`, then `404`);
+//! `PUT /stock/{sku}` `{"qty":N}` sets stock (idempotent by
 //! nature, no key); `GET /stock/{sku}`; `GET /orders/{id}` (owner only, else
 //! 404); `GET /idempotency-keys?operation=create-order` with the key in
 //! `Idempotency-Key`: where the caller's own key stands; `GET /health`.
@@ -52,7 +56,8 @@ use serde_json::json;
 use sqlx::Pool;
 use tower_idempotency::store::StoreErrorKind;
 use tower_idempotency::{
-    Backend, FingerprintError, IdempotencyLayer, Normalizer, Principal, ResourceId, Sweeper, Tx,
+    Backend, FingerprintError, HandlerError, IdempotencyLayer, Normalizer, Principal, ResourceId,
+    Sweeper, Tx,
 };
 
 /// The `POST /orders` body.
@@ -146,6 +151,21 @@ trait OrderDb: Backend {
         id: &str,
         principal: &str,
     ) -> impl Future<Output = sqlx::Result<Option<(OrderRow, Vec<LineItem>)>>> + Send;
+    /// Sets the memo of `principal`'s order `id` and appends the change to
+    /// its history: `false` when there is no such order.
+    fn update_memo(
+        conn: &mut Self::Connection,
+        id: &str,
+        principal: &str,
+        memo: &str,
+    ) -> impl Future<Output = sqlx::Result<bool>> + Send;
+    /// Deletes `principal`'s order `id` with its items and history, in a
+    /// transaction of its own: `false` when there is no such order.
+    fn delete_order(
+        pool: &Pool<Self>,
+        id: &str,
+        principal: &str,
+    ) -> impl Future<Output = sqlx::Result<bool>> + Send;
 }
 
 #[derive(Debug, Clone)]
@@ -175,7 +195,8 @@ impl OrderRow {
 /// One implementation per database; only the SQL text differs.
 macro_rules! order_db {
     ($db:ty, schema: $schema:expr, insert_order: $io:expr, insert_item: $ii:expr,
-     take_stock: $ts:expr, set_stock: $ss:expr, stock: $st:expr, order: $o:expr, items: $it:expr $(,)?) => {
+     take_stock: $ts:expr, set_stock: $ss:expr, stock: $st:expr, order: $o:expr, items: $it:expr,
+     update_memo: $um:expr, log_change: $lc:expr, owner: $ow:expr, delete: [$($del:expr),* $(,)?] $(,)?) => {
         impl OrderDb for $db {
             async fn create_schema(pool: &Pool<Self>) -> sqlx::Result<()> {
                 sqlx::raw_sql($schema).execute(pool).await.map(drop)
@@ -267,6 +288,51 @@ macro_rules! order_db {
                     items,
                 )))
             }
+
+            async fn update_memo(
+                conn: &mut Self::Connection,
+                id: &str,
+                principal: &str,
+                memo: &str,
+            ) -> sqlx::Result<bool> {
+                let done = sqlx::query($um)
+                    .bind(memo)
+                    .bind(id)
+                    .bind(principal)
+                    .execute(&mut *conn)
+                    .await?;
+                if done.rows_affected() != 1 {
+                    return Ok(false);
+                }
+                sqlx::query($lc)
+                    .bind(id)
+                    .bind(memo)
+                    .bind(now_ms())
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(true)
+            }
+
+            async fn delete_order(
+                pool: &Pool<Self>,
+                id: &str,
+                principal: &str,
+            ) -> sqlx::Result<bool> {
+                let mut tx = pool.begin().await?;
+                let owned: Option<String> = sqlx::query_scalar($ow)
+                    .bind(id)
+                    .bind(principal)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                if owned.is_none() {
+                    return Ok(false);
+                }
+                for sql in [$($del),*] {
+                    sqlx::query(sql).bind(id).execute(&mut *tx).await?;
+                }
+                tx.commit().await?;
+                Ok(true)
+            }
         }
     };
 }
@@ -279,7 +345,8 @@ order_db!(
             amount INTEGER NOT NULL, memo TEXT NOT NULL, created_at INTEGER NOT NULL);
         CREATE TABLE IF NOT EXISTS order_items (order_id TEXT NOT NULL REFERENCES orders (id), line INTEGER NOT NULL,
             sku TEXT NOT NULL, qty INTEGER NOT NULL, PRIMARY KEY (order_id, line));
-        CREATE TABLE IF NOT EXISTS stock (sku TEXT PRIMARY KEY, qty INTEGER NOT NULL CHECK (qty >= 0));",
+        CREATE TABLE IF NOT EXISTS stock (sku TEXT PRIMARY KEY, qty INTEGER NOT NULL CHECK (qty >= 0));
+        CREATE TABLE IF NOT EXISTS order_changes (order_id TEXT NOT NULL, memo TEXT NOT NULL, changed_at INTEGER NOT NULL);",
     insert_order: "INSERT INTO orders (id, principal, currency, amount, memo, created_at) VALUES (?, ?, ?, ?, ?, ?)",
     insert_item: "INSERT INTO order_items (order_id, line, sku, qty) VALUES (?, ?, ?, ?)",
     take_stock: "UPDATE stock SET qty = qty - ? WHERE sku = ? AND qty >= ?",
@@ -287,6 +354,14 @@ order_db!(
     stock: "SELECT qty FROM stock WHERE sku = ?",
     order: "SELECT id, principal, currency, amount, memo, created_at FROM orders WHERE id = ? AND principal = ?",
     items: "SELECT sku, qty FROM order_items WHERE order_id = ? ORDER BY line",
+    update_memo: "UPDATE orders SET memo = ? WHERE id = ? AND principal = ?",
+    log_change: "INSERT INTO order_changes (order_id, memo, changed_at) VALUES (?, ?, ?)",
+    owner: "SELECT id FROM orders WHERE id = ? AND principal = ?",
+    delete: [
+        "DELETE FROM order_items WHERE order_id = ?",
+        "DELETE FROM order_changes WHERE order_id = ?",
+        "DELETE FROM orders WHERE id = ?",
+    ],
 );
 
 #[cfg(feature = "postgres")]
@@ -297,7 +372,8 @@ order_db!(
             amount BIGINT NOT NULL, memo TEXT NOT NULL, created_at BIGINT NOT NULL);
         CREATE TABLE IF NOT EXISTS order_items (order_id TEXT NOT NULL REFERENCES orders (id), line BIGINT NOT NULL,
             sku TEXT NOT NULL, qty BIGINT NOT NULL, PRIMARY KEY (order_id, line));
-        CREATE TABLE IF NOT EXISTS stock (sku TEXT PRIMARY KEY, qty BIGINT NOT NULL CHECK (qty >= 0));",
+        CREATE TABLE IF NOT EXISTS stock (sku TEXT PRIMARY KEY, qty BIGINT NOT NULL CHECK (qty >= 0));
+        CREATE TABLE IF NOT EXISTS order_changes (order_id TEXT NOT NULL, memo TEXT NOT NULL, changed_at BIGINT NOT NULL);",
     insert_order: "INSERT INTO orders (id, principal, currency, amount, memo, created_at) VALUES ($1, $2, $3, $4, $5, $6)",
     insert_item: "INSERT INTO order_items (order_id, line, sku, qty) VALUES ($1, $2, $3, $4)",
     take_stock: "UPDATE stock SET qty = qty - $1 WHERE sku = $2 AND qty >= $3",
@@ -305,6 +381,14 @@ order_db!(
     stock: "SELECT qty FROM stock WHERE sku = $1",
     order: "SELECT id, principal, currency, amount, memo, created_at FROM orders WHERE id = $1 AND principal = $2",
     items: "SELECT sku, qty FROM order_items WHERE order_id = $1 ORDER BY line",
+    update_memo: "UPDATE orders SET memo = $1 WHERE id = $2 AND principal = $3",
+    log_change: "INSERT INTO order_changes (order_id, memo, changed_at) VALUES ($1, $2, $3)",
+    owner: "SELECT id FROM orders WHERE id = $1 AND principal = $2",
+    delete: [
+        "DELETE FROM order_items WHERE order_id = $1",
+        "DELETE FROM order_changes WHERE order_id = $1",
+        "DELETE FROM orders WHERE id = $1",
+    ],
 );
 
 #[cfg(feature = "mysql")]
@@ -316,7 +400,9 @@ order_db!(
         CREATE TABLE IF NOT EXISTS order_items (order_id VARCHAR(64) NOT NULL, line BIGINT NOT NULL,
             sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL, PRIMARY KEY (order_id, line),
             FOREIGN KEY (order_id) REFERENCES orders (id)) ENGINE = InnoDB;
-        CREATE TABLE IF NOT EXISTS stock (sku VARCHAR(64) PRIMARY KEY, qty BIGINT NOT NULL CHECK (qty >= 0)) ENGINE = InnoDB;",
+        CREATE TABLE IF NOT EXISTS stock (sku VARCHAR(64) PRIMARY KEY, qty BIGINT NOT NULL CHECK (qty >= 0)) ENGINE = InnoDB;
+        CREATE TABLE IF NOT EXISTS order_changes (order_id VARCHAR(64) NOT NULL, memo VARCHAR(500) NOT NULL,
+            changed_at BIGINT NOT NULL) ENGINE = InnoDB;",
     insert_order: "INSERT INTO orders (id, principal, currency, amount, memo, created_at) VALUES (?, ?, ?, ?, ?, ?)",
     insert_item: "INSERT INTO order_items (order_id, line, sku, qty) VALUES (?, ?, ?, ?)",
     take_stock: "UPDATE stock SET qty = qty - ? WHERE sku = ? AND qty >= ?",
@@ -324,6 +410,14 @@ order_db!(
     stock: "SELECT qty FROM stock WHERE sku = ?",
     order: "SELECT id, principal, currency, amount, memo, created_at FROM orders WHERE id = ? AND principal = ?",
     items: "SELECT sku, qty FROM order_items WHERE order_id = ? ORDER BY line",
+    update_memo: "UPDATE orders SET memo = ? WHERE id = ? AND principal = ?",
+    log_change: "INSERT INTO order_changes (order_id, memo, changed_at) VALUES (?, ?, ?)",
+    owner: "SELECT id FROM orders WHERE id = ? AND principal = ?",
+    delete: [
+        "DELETE FROM order_items WHERE order_id = ?",
+        "DELETE FROM order_changes WHERE order_id = ?",
+        "DELETE FROM orders WHERE id = ?",
+    ],
 );
 
 struct App<DB: OrderDb> {
@@ -496,6 +590,69 @@ async fn get_order<DB: OrderDb>(
     }
 }
 
+/// The `PATCH /orders/{id}` body (a JSON merge patch of the one field an
+/// order lets change).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UpdateOrder {
+    memo: String,
+}
+
+/// `PATCH /orders/{id}`: guarded by the layer like `POST` (PATCH is not
+/// idempotent: each change is appended to the order's history), so a key
+/// is required and a retry replays the first answer without a second
+/// change. Written with `?` on the transaction and sqlx: [`HandlerError`]
+/// answers their errors as problem documents.
+async fn update_order<DB: OrderDb>(
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+    tx: Tx<DB>,
+    Json(patch): Json<UpdateOrder>,
+) -> Result<Response, HandlerError> {
+    if patch.memo.len() > 500 {
+        let detail = "memo must be at most 500 characters".to_owned();
+        return Ok(problem(
+            StatusCode::BAD_REQUEST,
+            "invalid-order",
+            "Invalid order",
+            detail,
+        ));
+    }
+    let mut conn = tx.lock()?;
+    if !DB::update_memo(&mut conn, &id, principal.as_str(), &patch.memo).await? {
+        let detail = format!("no order {id}");
+        return Ok(problem(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "Not found",
+            detail,
+        ));
+    }
+    drop(conn);
+    Ok(Json(json!({"orderId": id, "memo": patch.memo})).into_response())
+}
+
+/// `DELETE /orders/{id}`: idempotent by nature (a second delete finds
+/// nothing more to delete), so the layer lets it pass unguarded, key or
+/// not, as the IETF draft describes: `204`, then `404`.
+async fn delete_order<DB: OrderDb>(
+    State(app): State<App<DB>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<String>,
+) -> Result<Response, HandlerError> {
+    if DB::delete_order(&app.pool, &id, principal.as_str()).await? {
+        Ok(StatusCode::NO_CONTENT.into_response())
+    } else {
+        let detail = format!("no order {id}");
+        Ok(problem(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "Not found",
+            detail,
+        ))
+    }
+}
+
 #[derive(Deserialize)]
 struct SetStock {
     qty: i64,
@@ -547,9 +704,18 @@ fn router<DB: OrderDb>(
     // "Did my key land?": the same layer's keys, behind the same
     // authentication (`GET /idempotency-keys?operation=create-order`).
     let key_status = idempotency.key_status();
+    // One order: GET and DELETE pass through (idempotent methods); PATCH
+    // is guarded (a key required, replayed), in a scope of its own.
+    let updates = IdempotencyLayer::new(pool.clone())
+        .with_operation("update-order")
+        .with_retention(Duration::from_secs(24 * 3600))?;
+    let order = get(get_order::<DB>)
+        .patch(update_order::<DB>)
+        .delete(delete_order::<DB>)
+        .layer(updates);
     let orders = Router::new()
         .route("/orders", post(create_order::<DB>).layer(idempotency))
-        .route("/orders/{id}", get(get_order::<DB>))
+        .route("/orders/{id}", order)
         .route_service("/idempotency-keys", axum::routing::any_service(key_status))
         .layer(middleware::from_fn(authenticate));
     Ok(Router::new()

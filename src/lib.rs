@@ -316,6 +316,8 @@ mod expiry;
 mod fairness;
 mod fingerprint;
 mod grpc;
+#[cfg(feature = "axum")]
+mod handler_error;
 mod key;
 pub mod keys;
 mod layer;
@@ -345,6 +347,8 @@ pub use expiry::{
     DEFAULT_RETENTION, DEFAULT_TOMBSTONE_RETENTION, IDEMPOTENCY_KEY_EXPIRES, SweepReport, Sweeper,
 };
 pub use fingerprint::{Fingerprint, FingerprintError, Normalizer};
+#[cfg(feature = "axum")]
+pub use handler_error::HandlerError;
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyError, KeyMode, MAX_KEY_LEN};
 pub use layer::IdempotencyLayer;
 pub use outcome::IdempotencyOutcome;

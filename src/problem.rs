@@ -37,6 +37,21 @@ use serde_json::json;
 pub const PROBLEM_TYPE_BASE: &str =
     "https://docs.rs/tower-idempotency/latest/tower_idempotency/problem/index.html";
 
+/// A section of the IETF draft the `spec` member links to, at the
+/// revision this crate was checked against.
+macro_rules! draft {
+    ($section:literal) => {
+        concat!(
+            "https://datatracker.ietf.org/doc/html/draft-ietf-httpapi-idempotency-key-header-07#section-",
+            $section
+        )
+    };
+}
+const DRAFT_SYNTAX: &str = draft!("2.1");
+const DRAFT_UNIQUENESS: &str = draft!("2.2");
+const DRAFT_EXPIRY: &str = draft!("2.3");
+const DRAFT_ENFORCEMENT: &str = draft!("2.6");
+
 /// The cases the layer answers itself. See the [module docs](self) for the
 /// status and `type` of each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -95,6 +110,21 @@ pub enum ProblemKind {
     /// outage. Nothing of the attempt's misused call ran, and the key stays
     /// claimable, so a fixed deployment serves the retry.
     LeaseMisuse,
+    /// A handler asked for [`Tx`](crate::Tx) where the layer claimed
+    /// nothing: the route is not behind the layer (added after
+    /// `.layer(…)`), the method is not guarded, or keys are optional and
+    /// none was sent. A server misconfiguration ([`TxError::Missing`](crate::TxError::Missing)).
+    TransactionMissing,
+    /// A handler locked [`Tx`](crate::Tx) while another guard of it was
+    /// alive ([`TxError::Busy`](crate::TxError::Busy)); rolled back.
+    TransactionBusy,
+    /// A handler locked [`Tx`](crate::Tx) after the layer had taken the
+    /// transaction back ([`TxError::Finished`](crate::TxError::Finished)).
+    TransactionFinished,
+    /// A handler's own statement failed with an error that is not
+    /// transient (see [`HandlerError`](crate::HandlerError)); rolled back.
+    /// The database's message is logged, never sent.
+    DatabaseError,
 }
 
 impl ProblemKind {
@@ -121,6 +151,10 @@ impl ProblemKind {
             Self::Reconciling => "reconciling",
             Self::LeaseLost => "lease-lost",
             Self::LeaseMisuse => "lease-misuse",
+            Self::TransactionMissing => "transaction-missing",
+            Self::TransactionBusy => "transaction-busy",
+            Self::TransactionFinished => "transaction-finished",
+            Self::DatabaseError => "database-error",
         }
     }
 
@@ -151,6 +185,65 @@ impl ProblemKind {
             Self::Reconciling => "Outcome unknown, awaiting reconciliation",
             Self::LeaseLost => "The request was taken over by a retry",
             Self::LeaseMisuse => "Lease mode misused by the handler",
+            Self::TransactionMissing => "No idempotency transaction for this route",
+            Self::TransactionBusy => "Idempotency transaction already locked",
+            Self::TransactionFinished => "Idempotency transaction already finished",
+            Self::DatabaseError => "Database error",
+        }
+    }
+
+    /// Whether the client may send the same request with the same key
+    /// again and expect it to succeed without changing anything: nothing
+    /// of this attempt was committed and the cause passes (a duplicate
+    /// still running, a busy or unreachable store, a conflict, an outcome
+    /// an operator is settling). `false` when the request must change
+    /// (a missing, malformed or reused key, a body over the limit), when
+    /// the answer is final (an expired key, a replay), or when the cause
+    /// is the server's own bug that a retry would meet again. Written as
+    /// the problem document's `retryable` member.
+    pub fn retryable(self) -> bool {
+        match self {
+            Self::InFlight
+            | Self::Unconfirmed
+            | Self::CommitUnknown
+            | Self::StoreUnavailable
+            | Self::StoreBusy
+            | Self::TransactionConflict
+            | Self::Reconciling
+            | Self::LeaseLost
+            | Self::ResponseUnreadable => true,
+            Self::MissingKey
+            | Self::MalformedKey
+            | Self::MissingPrincipal
+            | Self::BodyTooLarge
+            | Self::InvalidBody
+            | Self::KeyReused
+            | Self::Expired
+            | Self::ResponseTooLarge
+            | Self::TransactionHeld
+            | Self::TransactionEnded
+            | Self::LeaseMisuse
+            | Self::TransactionMissing
+            | Self::TransactionBusy
+            | Self::TransactionFinished
+            | Self::DatabaseError => false,
+        }
+    }
+
+    /// The section of the IETF draft (`draft-ietf-httpapi-idempotency-key-header-07`)
+    /// the refusal rests on, as a URL, for the refusals that rest on one:
+    /// `#section-2.1` (Syntax) for a missing or malformed key,
+    /// `#section-2.2` (Uniqueness) for a key reused with another request,
+    /// `#section-2.3` (Validity and Expiry) for an expired key,
+    /// `#section-2.6` (Enforcement Scenarios: a concurrent request) for a
+    /// key still in flight. Written as the problem document's `spec` member.
+    pub fn draft_section(self) -> Option<&'static str> {
+        match self {
+            Self::MissingKey | Self::MalformedKey => Some(DRAFT_SYNTAX),
+            Self::KeyReused => Some(DRAFT_UNIQUENESS),
+            Self::Expired => Some(DRAFT_EXPIRY),
+            Self::InFlight => Some(DRAFT_ENFORCEMENT),
+            _ => None,
         }
     }
 
@@ -171,7 +264,11 @@ impl ProblemKind {
             | Self::ResponseUnreadable
             | Self::TransactionHeld
             | Self::TransactionEnded
-            | Self::LeaseMisuse => StatusCode::INTERNAL_SERVER_ERROR,
+            | Self::LeaseMisuse
+            | Self::TransactionMissing
+            | Self::TransactionBusy
+            | Self::TransactionFinished
+            | Self::DatabaseError => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 }
@@ -185,7 +282,16 @@ pub(crate) struct Problem {
     pub(crate) retry_after_secs: Option<u64>,
     pub(crate) resource_id: Option<String>,
     pub(crate) resource_link: Option<String>,
+    /// Why, for the log line only (a database's message): never sent.
+    pub(crate) cause: Option<String>,
 }
+
+/// A problem answer's document, kept in the response's extensions so that
+/// the layer can name the request's key in it ([`name_key`]) once the key is
+/// known. Never leaves the crate: an answer a handler returns through the
+/// axum conversions ([`Problem::into_axum`]) drops it.
+#[derive(Debug, Clone)]
+pub(crate) struct Document(serde_json::Map<String, serde_json::Value>);
 
 /// How soon a retry of a parked key is worth it, seconds.
 pub(crate) const RECONCILING_RETRY: u64 = 30;
@@ -219,6 +325,7 @@ impl Problem {
             retry_after_secs: None,
             resource_id: None,
             resource_link: None,
+            cause: None,
         }
     }
 
@@ -238,20 +345,45 @@ impl Problem {
         self
     }
 
+    /// Logs `cause` with the refusal's log line, never sending it.
+    #[cfg(feature = "axum")]
+    pub(crate) fn cause(mut self, cause: impl std::fmt::Display) -> Self {
+        self.cause = Some(cause.to_string());
+        self
+    }
+
+    /// The answer: an `application/problem+json` document with `type`,
+    /// `title`, `status`, `detail`, a fresh `instance` (`urn:uuid:…`),
+    /// `retryable`, and `spec` where the IETF draft has a section for it.
+    /// One `tracing` event names the instance (WARN for a 5xx, INFO
+    /// otherwise), so the operator finds the line a client quotes.
     pub(crate) fn into_response(self) -> Response<Bytes> {
-        let mut doc = json!({
-            "type": self.kind.type_uri(),
-            "title": self.kind.title(),
-            "status": self.status.as_u16(),
-            "detail": self.detail,
-        });
+        let instance = format!("urn:uuid:{}", crate::random::uuid_v4());
+        let mut doc = serde_json::Map::new();
+        doc.insert("type".into(), json!(self.kind.type_uri()));
+        doc.insert("title".into(), json!(self.kind.title()));
+        doc.insert("status".into(), json!(self.status.as_u16()));
+        doc.insert("detail".into(), json!(self.detail));
+        doc.insert("instance".into(), json!(instance));
+        doc.insert("retryable".into(), json!(self.kind.retryable()));
+        if let Some(section) = self.kind.draft_section() {
+            doc.insert("spec".into(), json!(section));
+        }
         if let Some(id) = &self.resource_id {
-            doc["resource_id"] = json!(id);
+            doc.insert("resource_id".into(), json!(id));
         }
         if let Some(link) = &self.resource_link {
-            doc["resource"] = json!(link);
+            doc.insert("resource".into(), json!(link));
         }
-        let body = Bytes::from(doc.to_string());
+        let problem = self.kind.slug();
+        let status = self.status.as_u16();
+        let cause = self.cause.as_deref().unwrap_or("");
+        if self.status.is_server_error() {
+            tracing::warn!(%instance, problem, status, cause, "idempotency problem answered");
+        } else {
+            tracing::info!(%instance, problem, status, "idempotency problem answered");
+        }
+        let body = Bytes::from(serde_json::Value::Object(doc.clone()).to_string());
         let mut res = Response::new(body);
         *res.status_mut() = self.status;
         res.headers_mut().insert(
@@ -269,6 +401,96 @@ impl Problem {
             res.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
+        res.extensions_mut().insert(Document(doc));
         res
+    }
+
+    /// The answer as an axum response, for errors a handler returns
+    /// ([`TxError`](crate::TxError), [`HandlerError`](crate::HandlerError),
+    /// [`LeaseError`](crate::lease::LeaseError)): the same document, without
+    /// the layer's private extension (the layer names its key only in the
+    /// answers it gives itself).
+    #[cfg(feature = "axum")]
+    pub(crate) fn into_axum(self) -> axum::response::Response {
+        let (mut parts, body) = self.into_response().into_parts();
+        parts.extensions.remove::<Document>();
+        axum::response::Response::from_parts(parts, axum::body::Body::from(body))
+    }
+}
+
+/// Names `key` (the request's key as the client sent it, unquoted) in the
+/// layer's own problem answer `res` as the `idempotency_key` member. Any
+/// other answer, and any answer when no valid key was read (a missing or
+/// malformed one is never echoed), is returned as it is.
+pub(crate) fn name_key<B>(
+    mut res: Response<crate::IdempotencyBody<B>>,
+    key: Option<&str>,
+) -> Response<crate::IdempotencyBody<B>> {
+    let Some(Document(mut doc)) = res.extensions_mut().remove::<Document>() else {
+        return res;
+    };
+    let Some(key) = key else {
+        return res;
+    };
+    doc.insert("idempotency_key".into(), json!(key));
+    let body = Bytes::from(serde_json::Value::Object(doc).to_string());
+    *res.body_mut() = crate::IdempotencyBody::buffered(body);
+    res.headers_mut().remove(header::CONTENT_LENGTH);
+    res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc(res: &Response<Bytes>) -> serde_json::Value {
+        serde_json::from_slice(res.body()).unwrap()
+    }
+
+    #[test]
+    fn every_document_names_its_instance_and_whether_to_retry() {
+        let a = Problem::new(ProblemKind::StoreBusy, "busy").into_response();
+        let b = Problem::new(ProblemKind::StoreBusy, "busy").into_response();
+        let (a, b) = (doc(&a), doc(&b));
+        assert!(a["instance"].as_str().unwrap().starts_with("urn:uuid:"));
+        assert_ne!(a["instance"], b["instance"]);
+        assert_eq!(a["retryable"], true);
+        assert!(a.get("spec").is_none());
+        assert!(a.get("idempotency_key").is_none());
+    }
+
+    #[test]
+    fn refusals_link_the_drafts_section_they_rest_on() {
+        let section = |kind: ProblemKind| {
+            kind.draft_section()
+                .map(|s| s.rsplit('#').next().unwrap().to_owned())
+        };
+        assert_eq!(
+            section(ProblemKind::MissingKey).as_deref(),
+            Some("section-2.1")
+        );
+        assert_eq!(
+            section(ProblemKind::MalformedKey).as_deref(),
+            Some("section-2.1")
+        );
+        assert_eq!(
+            section(ProblemKind::KeyReused).as_deref(),
+            Some("section-2.2")
+        );
+        assert_eq!(
+            section(ProblemKind::Expired).as_deref(),
+            Some("section-2.3")
+        );
+        assert_eq!(
+            section(ProblemKind::InFlight).as_deref(),
+            Some("section-2.6")
+        );
+        assert_eq!(section(ProblemKind::StoreBusy), None);
+        let expired = doc(&Problem::new(ProblemKind::Expired, "gone").into_response());
+        assert_eq!(
+            expired["spec"],
+            ProblemKind::Expired.draft_section().unwrap()
+        );
+        assert_eq!(expired["retryable"], false);
     }
 }

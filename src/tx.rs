@@ -1,40 +1,5 @@
-//! The claimed transaction, handed to the handler.
-//!
-//! The layer begins a transaction, claims the idempotency key in it, and puts
-//! a [`Tx`] handle in the request extensions. The handler does its business
-//! writes on that same transaction, so the writes and the ledger row commit
-//! together or not at all. The layer commits or rolls back after the handler
-//! returns; the handler never does.
-//!
-//! # Caveats
-//!
-//! - Lock the handle, do the work, and drop the guard before returning. A
-//!   guard (or the handle) still held when the response is ready means the
-//!   layer cannot finish the transaction: it answers `500` and nothing is
-//!   committed. Locking is never a wait: a handle that is already locked, or
-//!   whose transaction the layer has already taken back, is an error.
-//! - Do not spawn tasks that outlive the handler with the handle.
-//! - Nested transactions are savepoints. The claimed transaction is a
-//!   transaction sqlx counts, on every store: `begin()` on the guard's
-//!   connection (or any library's "run this in a transaction" helper given
-//!   it) takes a savepoint; its `commit()` releases it, its `rollback()` or
-//!   drop rolls back to it. The claim, and what holds the scope against a
-//!   concurrent duplicate, survive all of them; only what the handler's
-//!   outermost work leaves stands when the layer commits.
-//! - Never send a `COMMIT` or `ROLLBACK` statement yourself (or, on
-//!   MySQL/MariaDB, DDL, which commits implicitly). The layer notices it at
-//!   no extra round trip, answers `500` `#transaction-ended` and holds the
-//!   key for reconciliation, keeping what the handler committed; on
-//!   PostgreSQL the scope is unprotected from that statement until the key
-//!   is held.
-//! - On MySQL/MariaDB the claimed transaction runs with `autocommit` off
-//!   (turned back on before the connection returns to the pool), so that
-//!   once the server rolls it back on its own (a deadlock, or on Galera a
-//!   certification conflict), nothing the handler sends afterwards commits
-//!   by itself: the layer rolls it back and answers with the winner's
-//!   recorded answer or a retryable `503`. A handler that sends `ROLLBACK`
-//!   and then commits writes of its own cannot be told from such a
-//!   rollback: those writes stay without a ledger row.
+//! The claimed transaction, handed to the handler: [`Tx`], its guard and
+//! its error. The rules a handler follows are on [`Tx`] itself.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
@@ -48,6 +13,89 @@ type Slot<DB> = Arc<Mutex<Option<Claimed<DB>>>>;
 
 /// A handle to the transaction that holds this request's idempotency claim.
 /// Cheap to clone.
+///
+/// The layer begins a transaction, claims the request's key in it, and puts
+/// a `Tx` in the request's extensions (with axum, take it as an extractor;
+/// with any tower service, `req.extensions().get::<Tx<DB>>()`). The handler
+/// writes on that same transaction, so its business rows and the ledger row
+/// commit together or not at all. The layer commits or rolls back after the
+/// handler has answered; the handler never does.
+///
+/// # Rules
+///
+/// - **Lock, work, drop the guard before returning.** [`Tx::lock`] gives a
+///   [`TxGuard`] that dereferences to the connection (`&mut *guard` is an
+///   sqlx executor). A guard or handle still held when the answer is ready
+///   (moved into the response, kept in a static) means the layer cannot
+///   finish the transaction: it answers `500` `#transaction-held` and
+///   nothing commits. A guard local to the handler drops when it returns.
+///   Locking never waits: a second live guard is [`TxError::Busy`], a lock
+///   after the layer took the transaction back is [`TxError::Finished`].
+/// - **Never `COMMIT` or `ROLLBACK` it yourself** (nor, on MySQL/MariaDB,
+///   run DDL, which commits implicitly). The layer notices it at no extra
+///   round trip, answers `500` `#transaction-ended` and holds the key for
+///   reconciliation ([`Reconciler`](crate::Reconciler)), keeping what the
+///   handler committed; on PostgreSQL the scope is unprotected from that
+///   statement until the key is held.
+/// - **Do not spawn tasks with it** that outlive the handler: their writes
+///   would land after the layer decided, or not at all.
+/// - **A nested `begin()` is a savepoint.** The claimed transaction is one
+///   sqlx counts, on every store: `begin()` on the guard's connection (or
+///   any library's "run this in a transaction" helper given it) takes a
+///   savepoint; its `commit()` releases it, its `rollback()` or drop rolls
+///   back to it. The claim, and what holds the scope against a concurrent
+///   duplicate, survive all of them; only what the handler's outermost work
+///   leaves stands when the layer commits.
+/// - On MySQL/MariaDB the claimed transaction runs with `autocommit` off
+///   (turned back on before the connection returns to the pool), so that
+///   once the server rolls it back on its own (a deadlock, or on Galera a
+///   certification conflict), nothing the handler sends afterwards commits
+///   by itself: the layer rolls it back and answers with the winner's
+///   recorded answer or a retryable `503`. A handler that sends `ROLLBACK`
+///   and then commits writes of its own cannot be told from such a
+///   rollback: those writes stay without a ledger row.
+///
+/// # Errors
+///
+/// With axum, a handler returns `Result<_, `[`HandlerError`](crate::HandlerError)`>`
+/// and uses `?` on both [`TxError`] and `sqlx::Error`: each becomes a
+/// problem+json answer (a transient database error a retryable `503`, any
+/// other a `500` whose text is logged, never sent). A handler asked for a
+/// `Tx` on a route the layer does not cover is answered `500`
+/// `#transaction-missing`; take `Option<Tx<DB>>` where a route serves both.
+///
+/// # Example
+///
+/// ```no_run
+/// use axum::{Json, Router, http::StatusCode, routing::post};
+/// use serde_json::{Value, json};
+/// use sqlx::Postgres;
+/// use tower_idempotency::{HandlerError, IdempotencyLayer, Tx};
+///
+/// async fn create_order(
+///     tx: Tx<Postgres>,
+///     Json(order): Json<Value>,
+/// ) -> Result<(StatusCode, Json<Value>), HandlerError> {
+///     let mut conn = tx.lock()?; // TxError -> HandlerError
+///     let id: i64 = sqlx::query_scalar("INSERT INTO orders (amount) VALUES ($1) RETURNING id")
+///         .bind(order["amount"].as_i64())
+///         .fetch_one(&mut *conn)
+///         .await?; // sqlx::Error -> HandlerError
+///     Ok((StatusCode::CREATED, Json(json!({ "orderId": id }))))
+///     // `conn` drops here, before the layer records the answer.
+/// }
+///
+/// # async fn app() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
+/// tower_idempotency::migrate(&pool).await?;
+/// // Routes first, then the layer: a route added after `.layer(…)` is not covered.
+/// let app: Router = Router::new()
+///     .route("/orders", post(create_order))
+///     .layer(IdempotencyLayer::new(pool));
+/// # let _ = app;
+/// # Ok(())
+/// # }
+/// ```
 pub struct Tx<DB: Database> {
     slot: Slot<DB>,
 }
@@ -147,11 +195,24 @@ impl std::fmt::Display for TxError {
 impl std::error::Error for TxError {}
 
 #[cfg(feature = "axum")]
+impl TxError {
+    /// The problem answer for this error.
+    pub(crate) fn problem(self) -> crate::problem::Problem {
+        use crate::problem::{Problem, ProblemKind};
+        let kind = match self {
+            Self::Missing => ProblemKind::TransactionMissing,
+            Self::Busy => ProblemKind::TransactionBusy,
+            Self::Finished => ProblemKind::TransactionFinished,
+        };
+        Problem::new(kind, self.to_string())
+    }
+}
+
+#[cfg(feature = "axum")]
 mod axum_impl {
     use super::{Tx, TxError};
     use axum::extract::{FromRequestParts, OptionalFromRequestParts};
     use axum::response::{IntoResponse, Response};
-    use http::StatusCode;
     use http::request::Parts;
 
     impl<S, DB> FromRequestParts<S> for Tx<DB>
@@ -187,11 +248,12 @@ mod axum_impl {
         }
     }
 
-    /// Answers `500` with the reason as plain text: each case is a server
-    /// misconfiguration or bug, never the client's fault.
+    /// Answers `500` problem+json (`#transaction-missing`,
+    /// `#transaction-busy`, `#transaction-finished`, not retryable): each
+    /// case is a server misconfiguration or bug, never the client's fault.
     impl IntoResponse for TxError {
         fn into_response(self) -> Response {
-            (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
+            self.problem().into_axum()
         }
     }
 }

@@ -157,7 +157,96 @@ e2e!(
     sigterm_lets_the_in_flight_order_finish,
     instances_with_skewed_clocks_agree_on_expiry,
     lost_database_connections_answer_503_never_500,
+    patch_is_guarded_and_a_retry_changes_nothing_more,
+    delete_passes_through_unguarded,
 );
+
+/// `PATCH /orders/{id}` is guarded: no key, 400 and no change; with a key,
+/// one change; its retry is replayed (no second history row); the key with
+/// another memo is refused. Judged by the history rows.
+async fn patch_is_guarded_and_a_retry_changes_nothing_more<DB: TestDb>() {
+    let s = Service::<DB>::start(0).await;
+    s.put_stock("A-10", 5).await;
+    let created = s.order("user-42", KEY, ORDER).await;
+    let location = created.headers["location"].to_str().unwrap().to_string();
+    let patch = r#"{"memo":"gift wrap"}"#;
+    let changes = "SELECT COUNT(*) FROM order_changes";
+
+    let no_key = s
+        .call(Method::PATCH, &location, Some("user-42"), None, patch)
+        .await;
+    assert_eq!(no_key.status, StatusCode::BAD_REQUEST, "{no_key:?}");
+    assert!(no_key.problem_type().ends_with("#missing-key"));
+    assert_eq!(s.count(changes).await, 0);
+
+    let key = Some("\"memo-1\"");
+    let first = s
+        .call(Method::PATCH, &location, Some("user-42"), key, patch)
+        .await;
+    assert_eq!(first.status, StatusCode::OK, "{first:?}");
+    assert_eq!(first.json()["memo"], "gift wrap");
+    let retry = s
+        .call(Method::PATCH, &location, Some("user-42"), key, patch)
+        .await;
+    assert_eq!(retry.status, StatusCode::OK);
+    assert_eq!(retry.headers["idempotent-replayed"], "true");
+    assert_eq!(retry.body, first.body);
+    let other = s
+        .call(
+            Method::PATCH,
+            &location,
+            Some("user-42"),
+            key,
+            r#"{"memo":"no wrap"}"#,
+        )
+        .await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other.json()["idempotency_key"], "memo-1");
+
+    assert_eq!(s.count(changes).await, 1);
+    assert_eq!(
+        s.count("SELECT COUNT(*) FROM orders WHERE memo = 'gift wrap'")
+            .await,
+        1
+    );
+    // The order's claim and the change's claim.
+    assert_eq!(s.ledger().await, 2);
+}
+
+/// `DELETE /orders/{id}` is idempotent by nature: it passes the layer
+/// unguarded (no key needed, none recorded), `204` and then `404`.
+async fn delete_passes_through_unguarded<DB: TestDb>() {
+    let s = Service::<DB>::start(0).await;
+    s.put_stock("A-10", 5).await;
+    let created = s.order("user-42", KEY, ORDER).await;
+    let location = created.headers["location"].to_str().unwrap().to_string();
+
+    let theirs = s
+        .call(Method::DELETE, &location, Some("user-7"), None, "")
+        .await;
+    assert_eq!(theirs.status, StatusCode::NOT_FOUND);
+    assert_eq!(s.orders().await, 1);
+
+    let gone = s
+        .call(Method::DELETE, &location, Some("user-42"), None, "")
+        .await;
+    assert_eq!(gone.status, StatusCode::NO_CONTENT, "{gone:?}");
+    assert_eq!(s.orders().await, 0);
+    assert_eq!(s.count("SELECT COUNT(*) FROM order_items").await, 0);
+    // A key changes nothing for an unguarded method: no claim, no replay.
+    let again = s
+        .call(
+            Method::DELETE,
+            &location,
+            Some("user-42"),
+            Some("\"del-1\""),
+            "",
+        )
+        .await;
+    assert_eq!(again.status, StatusCode::NOT_FOUND);
+    assert!(again.headers.get("idempotent-replayed").is_none());
+    assert_eq!(s.ledger().await, 1);
+}
 
 /// Acceptance 1 and 2.
 async fn create_then_retry_is_one_order<DB: TestDb>() {

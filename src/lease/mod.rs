@@ -404,10 +404,7 @@ impl axum::response::IntoResponse for LeaseError {
     /// the layer replaces it with the answer the record's state calls for.
     /// A store error's own text is logged, never sent.
     fn into_response(self) -> axum::response::Response {
-        let (parts, body) = crate::problem::Problem::from(self)
-            .into_response()
-            .into_parts();
-        axum::response::Response::from_parts(parts, axum::body::Body::from(body))
+        crate::problem::Problem::from(self).into_axum()
     }
 }
 

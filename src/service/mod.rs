@@ -260,10 +260,32 @@ struct Run<DB: Backend> {
 pub(super) const MIN_CALLER_BUDGET: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl<DB: Backend> Run<DB> {
+    /// A guarded request's answer; the layer's own problem answers name
+    /// the request's key (once a valid one was read: see `problem::name_key`).
     async fn guarded<S, ReqBody, ResBody>(
         mut self,
         inner: S,
         req: Request<ReqBody>,
+    ) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
+    where
+        S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>,
+        ReqBody: Body<Data = Bytes>,
+        ReqBody::Error: Into<BoxError>,
+        ResBody: Body<Data = Bytes>,
+        ResBody::Error: Into<BoxError>,
+    {
+        let mut key = None;
+        let res = self.decide(inner, req, &mut key).await?;
+        Ok(crate::problem::name_key(res, key.as_deref()))
+    }
+
+    /// Everything a guarded request goes through; `named` receives the
+    /// request's key as soon as a valid one is read.
+    async fn decide<S, ReqBody, ResBody>(
+        &mut self,
+        inner: S,
+        req: Request<ReqBody>,
+        named: &mut Option<String>,
     ) -> Result<Response<IdempotencyBody<ResBody>>, S::Error>
     where
         S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>,
@@ -290,6 +312,7 @@ impl<DB: Backend> Run<DB> {
                 ));
             }
         };
+        *named = header_key.as_ref().map(|k| k.as_str().to_owned());
         if header_key.is_none() && cfg.key_from_body.is_none() {
             if cfg.key_required {
                 return Ok(refuse(missing_key(&parts), 0));
@@ -327,8 +350,14 @@ impl<DB: Backend> Run<DB> {
                 let req = Request::from_parts(parts, IdempotencyBody::buffered(body));
                 return unguarded(inner, req).await;
             }
-            Err(problem) => return Ok(refuse(problem, 0)),
+            Err(problem) => {
+                // The header and the body disagree, or the body's key is
+                // malformed: no key of this request is named.
+                *named = None;
+                return Ok(refuse(problem, 0));
+            }
         };
+        *named = Some(key.as_str().to_owned());
         let fingerprint =
             match cfg
                 .normalizer

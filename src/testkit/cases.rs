@@ -217,6 +217,23 @@ pub async fn changed_payload_is_refused_with_422<DB: ConformanceDb>(h: Harness<D
     let changed = send(&app, order(ALICE, KEY, r#"{"amount":15000,"items":[]}"#)).await;
     assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(changed.problem(), "key-reused");
+    // Interoperable members (RFC 9457 instance, the key as sent, whether
+    // to retry, the IETF draft's section), whatever the key's storage.
+    let doc = changed.json();
+    assert_eq!(doc["idempotency_key"], "checkout-20260914-001", "{doc}");
+    assert_eq!(doc["retryable"], false, "{doc}");
+    assert!(
+        doc["instance"]
+            .as_str()
+            .is_some_and(|i| i.starts_with("urn:uuid:")),
+        "{doc}"
+    );
+    assert!(
+        doc["spec"]
+            .as_str()
+            .is_some_and(|s| s.ends_with("#section-2.2")),
+        "{doc}"
+    );
     assert!(!changed.replayed());
     assert_eq!(h.executions(), 1);
     assert_eq!(h.orders().await, 1);
@@ -411,6 +428,14 @@ pub async fn expired_record_is_refused_with_410<DB: ConformanceDb>(h: Harness<DB
     assert_eq!(late.status, StatusCode::GONE);
     assert_eq!(late.problem(), "expired");
     assert_eq!(late.json()["resource_id"], id.as_str());
+    assert_eq!(late.json()["idempotency_key"], "checkout-20260914-001");
+    assert_eq!(late.json()["retryable"], false);
+    assert!(
+        late.json()["spec"]
+            .as_str()
+            .is_some_and(|s| s.ends_with("#section-2.3")),
+        "{late:?}"
+    );
     // A tombstone is refused too, whatever the payload.
     DB::exec(h.plain(), "UPDATE idempotency_records SET status = 'EXPIRED', response_body = NULL, response_headers = NULL, expires_at = 9000000000000").await;
     let changed = send(&app, order(ALICE, KEY, r#"{"amount":1}"#)).await;
@@ -1792,6 +1817,8 @@ pub async fn an_answer_over_the_recording_limit_commits_once_and_never_runs_agai
         "{doc}"
     );
     assert_eq!(doc["status"], 201);
+    assert_eq!(doc["idempotency_key"], "checkout-20260914-001", "{doc}");
+    assert_eq!(doc["retryable"], false, "{doc}");
     assert_eq!(h.executions(), 1, "never run again");
     assert_eq!(h.orders().await, 1);
     assert_eq!(h.ledger().await, 1);
