@@ -88,7 +88,7 @@ pub async fn order_service(
 }
 
 /// Starts example `name` with `args` and `env`, and reads its address
-/// from its first line (within 30 s); stdout is drained afterwards, so the
+/// from the first line that names one (within 30 s); stdout is drained afterwards, so the
 /// process never blocks on a full pipe. The process is killed when
 /// dropped.
 pub async fn start_example(
@@ -106,11 +106,19 @@ pub async fn start_example(
         .unwrap();
     let stdout = child.stdout.take().unwrap();
     let mut lines = BufReader::new(stdout).lines();
-    let line = tokio::time::timeout(std::time::Duration::from_secs(30), lines.next_line())
+    // The first line that names an address (log lines may come first).
+    let first_address = async {
+        loop {
+            match lines.next_line().await.unwrap() {
+                Some(line) if line.contains("http://") => break line,
+                Some(_) => continue,
+                None => panic!("{name} printed no start-up line"),
+            }
+        }
+    };
+    let line = tokio::time::timeout(std::time::Duration::from_secs(30), first_address)
         .await
-        .unwrap_or_else(|_| panic!("{name} starts within 30 s"))
-        .unwrap()
-        .unwrap_or_else(|| panic!("{name} printed no start-up line"));
+        .unwrap_or_else(|_| panic!("{name} starts within 30 s"));
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     (child, address(&line))
 }
