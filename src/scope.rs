@@ -47,7 +47,20 @@ use sha2::{Digest, Sha256};
 /// The authenticated party a request acts for: a user, tenant or account id.
 ///
 /// Insert one into the request extensions from your authentication layer;
-/// the default principal source reads it from there.
+/// the default principal source reads it from there (or give the layer
+/// your own source with `with_principal`). A guarded request without one
+/// is refused `401` `#missing-principal`, and nothing is stored. A handler
+/// reads it back with axum's `Extension<Principal>`.
+///
+/// ```
+/// use http::Request;
+/// use tower_idempotency::Principal;
+///
+/// // In your authentication middleware, once the caller is known:
+/// let mut req = Request::new(());
+/// req.extensions_mut().insert(Principal::new("user-42"));
+/// assert_eq!(req.extensions().get::<Principal>().map(Principal::as_str), Some("user-42"));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Principal(String);
 

@@ -142,7 +142,21 @@ impl<DB: Database> Tx<DB> {
     }
 }
 
-/// Exclusive use of the claimed transaction; see [`Tx::lock`].
+/// Exclusive use of the claimed transaction; see [`Tx::lock`]. It
+/// dereferences to the connection (`&mut *guard` is an executor), and
+/// must be dropped before the handler returns its response.
+///
+/// ```no_run
+/// # #[cfg(all(feature = "sqlite", feature = "axum"))]
+/// # async fn handler(tx: tower_idempotency::Tx<sqlx::Sqlite>) -> Result<(), tower_idempotency::HandlerError> {
+/// let mut guard = tx.lock()?;
+/// sqlx::query("INSERT INTO orders (sku) VALUES ('A-10')")
+///     .execute(&mut *guard)
+///     .await?;
+/// drop(guard); // or let it go out of scope before the answer is returned
+/// # Ok(())
+/// # }
+/// ```
 pub struct TxGuard<DB: Database> {
     guard: OwnedMappedMutexGuard<Option<Claimed<DB>>, Claimed<DB>>,
 }

@@ -461,6 +461,15 @@ pub trait Backend: Database {
 /// under a lock (see the [module docs](self)). Safe to call on every start
 /// of every instance; independent of your application's `sqlx::migrate!`
 /// history.
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")]
+/// # async fn start() -> Result<(), sqlx::Error> {
+/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/shop").await?;
+/// tower_idempotency::migrate(&pool).await?; // before the layer serves a request
+/// # Ok(())
+/// # }
+/// ```
 pub async fn migrate<DB: Backend>(pool: &Pool<DB>) -> Result<(), sqlx::Error> {
     DB::migrate(pool).await
 }
