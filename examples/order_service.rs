@@ -1,4 +1,5 @@
-//! The seed's create-order service, on top of `IdempotencyLayer`.
+//! A create-order service (orders, their items, stock), on top of
+//! `IdempotencyLayer`.
 //!
 //! ```text
 //! cargo run --example order_service                      # SQLite file ./order_service.db
@@ -6,8 +7,10 @@
 //! cargo run --example order_service -- --addr 127.0.0.1:3001 --handler-delay-ms 500
 //! ```
 //!
-//! How a `POST /orders` flows, step by step, mapped to the seed's pseudo-code
-//! (`handleCreateOrderAttempt` in `000_…txt`):
+//! How a `POST /orders` flows, step by step. Each step opens with the line
+//! of the textbook pseudo-code of one create-order attempt (a transaction
+//! that claims the key, takes a savepoint, writes, records and commits)
+//! that it implements; the whole pseudo-code is those lines, in order:
 //!
 //! 1. `principal = authenticate(request)`: [`authenticate`] turns
 //!    `Authorization: Bearer <principal>` into a [`Principal`] (401 without).
@@ -22,9 +25,10 @@
 //! 4. `savepoint = tx.savepoint()`: taken by the layer right after the claim.
 //! 5. `insertOrder`, `decreaseStock`: [`create_order`] writes the order, its
 //!    items and the stock decrements on the claimed transaction ([`Tx`]). A
-//!    short item is the seed's `FinalBusinessError`: a `409` whose type ends
-//!    in `out-of-stock`. The layer rolls back to the savepoint (the order row
-//!    and earlier decrements vanish) and records `FAILED_FINAL`.
+//!    short item is a final business error (`FinalBusinessError`): a `409`
+//!    whose type ends in `out-of-stock`. The layer rolls back to the
+//!    savepoint (the order row and earlier decrements vanish) and records
+//!    `FAILED_FINAL`.
 //! 6. `tx.updateIdempotency(…SUCCEEDED…)`, `tx.commit()`: done by the layer
 //!    with the `201` response, in the handler's own transaction.
 //!
@@ -550,7 +554,7 @@ async fn create_order<DB: OrderDb>(
     for item in &input.items {
         match DB::take_stock(&mut conn, item).await {
             Ok(true) => {}
-            // The seed's FinalBusinessError: the layer rolls back to its
+            // A final business error: the layer rolls back to its
             // savepoint (this order and earlier decrements) and records it.
             Ok(false) => {
                 let detail = format!("not enough stock for {} (wanted {})", item.sku, item.qty);
