@@ -661,7 +661,14 @@ async fn a_crash_before_the_provider_saw_the_call<DB: TestDb>() {
 /// proves nothing happened, the request answers 503 and ends its lease at
 /// once, and the retry resumes at `created` and charges once.
 async fn a_provider_failure_before_charging<DB: TestDb>() {
-    let (w, s) = World::<DB>::start(CRASH).await;
+    // A lease far longer than any wait of the retry (its in-flight wait is
+    // 2 s): a retry that found the lease still held would be refused
+    // `409`, not take the key over.
+    let (w, s) = World::<DB>::start(Flags {
+        lease_ms: 60_000,
+        ..CRASH
+    })
+    .await;
     w.provider.fault(json!({"mode": "fail_before"})).await;
     let first = s.pay(KEY).await;
     assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
@@ -683,14 +690,9 @@ async fn a_provider_failure_before_charging<DB: TestDb>() {
         1,
         "no step pending after a proven absence"
     );
-    // The lease ended with the 503: the retry takes over without waiting.
-    let started = Instant::now();
+    // The lease ended with the 503: the retry takes the key over at once
+    // (with the lease still held it would be refused `409`).
     let retry = s.pay(KEY).await;
-    assert!(
-        started.elapsed() < Duration::from_millis(900),
-        "{:?}",
-        started.elapsed()
-    );
     assert!(!retry.replayed());
     let counts = w
         .judge_captured("a') provider 503 before charging", &s, &retry)
@@ -747,11 +749,13 @@ async fn c_provider_timeout_is_recovered_in_the_same_request<DB: TestDb>() {
         ..CRASH
     };
     let (w, s) = World::<DB>::start(flags).await;
-    w.provider.hang(3000).await;
+    // The provider hangs far longer than the timeout: an answer before
+    // it ends was the timeout's.
+    w.provider.hang(30_000).await;
     let started = Instant::now();
     let first = s.pay(KEY).await;
     assert!(
-        started.elapsed() < Duration::from_millis(2500),
+        started.elapsed() < Duration::from_secs(20),
         "{:?}",
         started.elapsed()
     );
