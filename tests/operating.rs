@@ -11,9 +11,19 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use common::ledger::Store;
 use tower_idempotency::testkit::ConformanceDb;
 
-on_every_store!(the_runbook_runs_as_written);
+on_every_store!(
+    the_runbook_runs_as_written,
+    the_transaction_ended_runbook_runs_as_written,
+);
+
+/// The runbooks of `docs/operating.md`, each run by its test here.
+const RUNBOOKS: &[&str] = &[
+    "## Runbook: a parked payment",
+    "## Runbook: a handler that ended the transaction",
+];
 
 /// Commands the guides show that this test does not run, and why.
 const NOT_RUN: &[(&str, &str)] = &[
@@ -33,6 +43,39 @@ const NOT_RUN: &[(&str, &str)] = &[
 struct Shown {
     command: String,
     output: Vec<String>,
+}
+
+/// The part of `markdown` under `heading`, up to the next `## ` heading.
+fn section(markdown: &str, heading: &str) -> String {
+    let start = markdown
+        .find(&format!("\n{heading}\n"))
+        .unwrap_or_else(|| panic!("no {heading:?}"));
+    let rest = &markdown[start + 1..];
+    let end = rest[heading.len()..]
+        .find("\n## ")
+        .map_or(rest.len(), |e| e + heading.len());
+    rest[..end].to_string()
+}
+
+/// Every command of `docs/operating.md` is in a runbook these tests run,
+/// or listed in [`NOT_RUN`].
+#[test]
+fn every_command_of_the_guide_is_run_or_said_not_to_be() {
+    let guide = read("docs/operating.md");
+    let run: Vec<String> = RUNBOOKS
+        .iter()
+        .flat_map(|h| commands(&section(&guide, h)))
+        .map(|c| c.command)
+        .collect();
+    let all = commands(&guide);
+    assert!(all.len() >= 8, "{all:?}");
+    for c in all {
+        let not_run = NOT_RUN.iter().any(|(p, _)| c.command.starts_with(p));
+        assert!(
+            run.contains(&c.command) || not_run,
+            "a command of docs/operating.md nobody runs: {c:?}"
+        );
+    }
 }
 
 fn read(doc: &str) -> String {
@@ -207,14 +250,8 @@ async fn the_runbook_runs_as_written<DB: ConformanceDb>() {
     std::fs::create_dir_all(&dir).unwrap();
 
     let pair = commands(&read("docs/lease-mode.md"));
-    let guide = commands(&read("docs/operating.md"));
-    // Every command is run below, or listed as not run.
-    for c in &guide {
-        let known = c.command.starts_with("tower-idempotency ")
-            || c.command.starts_with("curl ")
-            || NOT_RUN.iter().any(|(p, _)| c.command.starts_with(p));
-        assert!(known, "a command of docs/operating.md nobody runs: {c:?}");
-    }
+    let guide = commands(&section(&read("docs/operating.md"), RUNBOOKS[0]));
+    assert_eq!(guide.len(), 4, "the four commands run below: {guide:?}");
 
     // The example pair, as docs/lease-mode.md starts it. No completer pass
     // while the operator works: one would take the parked payment and park
@@ -496,4 +533,79 @@ async fn the_cli_reference_is_one_table_of_every_subcommand_and_flag() {
         assert!(help.stdout.contains(flag), "{help:?}");
         assert!(guide.contains(&format!("`{flag}")), "{flag}");
     }
+}
+
+/// The second runbook: a default-mode handler that ran `COMMIT` on the
+/// layer's transaction and answered `201` (the test app's `commit_201`),
+/// under the guide's principal, operation and key. `show`'s output is the
+/// guide's, line for line (times aside); the guide's `resolve` settles it,
+/// and the client's retry replays the recorded answer.
+async fn the_transaction_ended_runbook_runs_as_written<DB: Store>() {
+    use tower_idempotency::testkit::{Harness, order, send};
+    let h = Harness::<DB>::new().await;
+    let url = DB::url_of(&h.pool);
+    let dir = std::env::temp_dir().join(format!(
+        "ti-operating-ended-{}-{}",
+        DB::LABEL,
+        std::process::id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let guide = commands(&section(&read("docs/operating.md"), RUNBOOKS[1]));
+    assert_eq!(guide.len(), 2, "the two commands run below: {guide:?}");
+
+    let app = h.app();
+    let first = send(
+        &app,
+        order(
+            Some("alice"),
+            Some("k-1"),
+            r#"{"amount":1,"mode":"commit_201"}"#,
+        ),
+    )
+    .await;
+    assert_eq!(first.status, 500, "{first:?}");
+    assert_eq!(first.problem(), "transaction-ended", "{first:?}");
+
+    let show = &guide[0];
+    let ran = sh(&show.command, &dir, &url).await;
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let got: Vec<&str> = ran.stdout.lines().collect();
+    assert_eq!(got.len(), show.output.len(), "{ran:?} against {show:?}");
+    for (got, shown) in got.iter().zip(&show.output) {
+        // Times differ from run to run; their labels may not.
+        let label = |l: &str| l.split(':').next().unwrap_or_default().to_string();
+        if ["created", "expires"].contains(&label(shown).as_str()) {
+            assert_eq!(label(got), label(shown), "{ran:?}");
+        } else {
+            assert_eq!(*got, shown.as_str(), "as the guide shows it: {ran:?}");
+        }
+    }
+
+    let resolve = &guide[1];
+    assert!(
+        resolve.command.starts_with("tower-idempotency resolve "),
+        "{resolve:?}"
+    );
+    let answer = r#"{"orderId":1,"principal":"alice","amount":1}"#;
+    std::fs::write(dir.join("order.json"), answer).unwrap();
+    let done = sh(&resolve.command, &dir, &url).await;
+    assert_eq!(done.code, 0, "{done:?}");
+    assert!(
+        done.stdout
+            .contains("NEEDS_RECONCILIATION (generation 0) -> SUCCEEDED 201, by alice"),
+        "{done:?}"
+    );
+    let retry = send(
+        &app,
+        order(
+            Some("alice"),
+            Some("k-1"),
+            r#"{"amount":1,"mode":"commit_201"}"#,
+        ),
+    )
+    .await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(&retry.body[..], answer.as_bytes(), "{retry:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
