@@ -694,7 +694,8 @@ async fn a_quoted_key_is_read_as_sent_and_an_ambiguous_one_is_never_resolved<DB:
 /// is parked. `status`, `unresolved` and `show` say the same of it (parked,
 /// parked once), none presents the handler's `201` as the answer (the
 /// client was never given it), and `show` prints the `resolve with:` flags
-/// the guide promises, which name the record: a verdict with them lands.
+/// the guide promises, which name the record: a verdict with them lands,
+/// and one naming it as it was before the layer parked it is refused.
 async fn a_record_whose_handler_committed_reads_alike_in_status_show_and_unresolved<DB: Store>() {
     use tower_idempotency::testkit::{Harness, order};
     let h = Harness::<DB>::new().await;
@@ -763,6 +764,23 @@ async fn a_record_whose_handler_committed_reads_alike_in_status_show_and_unresol
             .is_some_and(|h| h.contains("HANDLER") && !h.contains("LAST")),
         "{listed:?}"
     );
+
+    // Seen before the layer parked it (PROCESSING, parks 0): refused, dry
+    // run or not, and nothing written.
+    for dry in [true, false] {
+        let mut stale = vec!["resolve"];
+        stale.extend(scope);
+        stale.extend(["--expect-generation", "0", "--expect-parks", "0"]);
+        stale.extend(["--rerun", "--reason", "seen as PROCESSING"]);
+        if dry {
+            stale.push("--dry-run");
+        }
+        let refused = cli(&url, &stale).await;
+        refused.assert_failed(1, "moved since it was seen");
+    }
+    let row = cli(&url, &show).await.one_json();
+    assert_eq!(row["status"], "NEEDS_RECONCILIATION", "{row}");
+    assert_eq!(row["audit"], serde_json::json!([]), "{row}");
 
     let mut resolve = vec!["resolve"];
     resolve.extend(scope);
