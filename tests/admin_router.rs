@@ -24,6 +24,7 @@ on_every_store!(
     without_a_host_header_the_origin_is_checked_against_the_authority,
     every_answer_forbids_framing_caching_and_referrers,
     a_verdict_without_or_with_a_wrong_claim_id_is_not_gone,
+    a_record_whose_handler_committed_reads_as_the_cli_shows_it,
 );
 
 /// The key the client sent (an SF string), and as stored (unquoted):
@@ -700,4 +701,63 @@ async fn a_verdict_without_or_with_a_wrong_claim_id_is_not_gone<DB: Store>() {
         .json();
     assert_eq!(now["status"], "NEEDS_RECONCILIATION", "{now}");
     assert_eq!(now["audit"].as_array().unwrap().len(), 0, "{now}");
+}
+
+/// A default-mode record whose handler ran `COMMIT` and answered `201`
+/// (its client got `500`): the console says what the CLI says. Parked
+/// once (`/api/status`'s `parked` and the record's `parks` agree), the
+/// `201` named the handler's status, never the answer, and the form's
+/// hidden fields name the record so that its verdict lands.
+async fn a_record_whose_handler_committed_reads_as_the_cli_shows_it<DB: Store>() {
+    use tower_idempotency::testkit::{Harness, order};
+    let h = Harness::<DB>::new().await;
+    let app = h.app();
+    let a = send(
+        &app,
+        order(
+            Some("alice"),
+            Some("k-1"),
+            r#"{"amount":1,"mode":"commit_201"}"#,
+        ),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::INTERNAL_SERVER_ERROR, "{a:?}");
+    let c = console(h.pool.clone(), Some("carol"));
+    let query = "principal=alice&operation=POST%20%2Forders&key=k-1";
+
+    let status = send(&c, get("/api/status")).await.json();
+    assert_eq!(status["parked"], 1, "{status}");
+    let row = send(&c, get(&format!("/api/record?{query}"))).await.json();
+    assert_eq!(row["parks"], 1, "{row}");
+    assert_eq!(row["handler_status"], 201, "{row}");
+    assert_eq!(row["answer_status"], serde_json::Value::Null, "{row}");
+    let listed = send(&c, get("/api/unresolved")).await.json();
+    assert_eq!(listed["records"][0]["handler_status"], 201, "{listed}");
+
+    let page = text(&send(&c, get(&format!("/record?{query}"))).await);
+    assert!(!page.contains("Answer status</th>"), "{page}");
+    assert!(page.contains("<th>Handler status</th><td>201 "), "{page}");
+    assert!(page.contains("<th>Parks</th><td>1</td>"), "{page}");
+    assert!(
+        page.contains("name=\"parks\" value=\"1\""),
+        "the form names the record as shown: {page}"
+    );
+    let done = send(
+        &c,
+        post_form(
+            form(&[
+                ("principal", "alice"),
+                ("operation", "POST /orders"),
+                ("key", "k-1"),
+                ("generation", "0"),
+                ("claim_id", ""),
+                ("parks", "1"),
+                ("verdict", "rerun"),
+                ("reason", "the order row is not there"),
+            ]),
+            &[("origin", &format!("http://{HOST}"))],
+        ),
+    )
+    .await;
+    assert_eq!(done.status, StatusCode::OK, "{done:?}");
 }

@@ -21,6 +21,7 @@ on_every_store!(
     a_default_mode_record_is_rerun_by_deleting_it,
     a_verdict_on_a_record_that_moved_since_show_is_refused,
     a_quoted_key_is_read_as_sent_and_an_ambiguous_one_is_never_resolved,
+    a_record_whose_handler_committed_reads_alike_in_status_show_and_unresolved,
 );
 
 #[derive(Debug)]
@@ -690,4 +691,105 @@ async fn a_quoted_key_is_read_as_sent_and_an_ambiguous_one_is_never_resolved<DB:
     .unwrap()
     .expect("the other record is untouched");
     assert_eq!(kept.status.as_str(), "NEEDS_RECONCILIATION");
+}
+
+/// A default-mode record whose handler ran `COMMIT` itself and then
+/// answered `201`: its client got `500 #transaction-ended`, and the record
+/// is parked. `status`, `unresolved` and `show` say the same of it (parked,
+/// parked once), none presents the handler's `201` as the answer (the
+/// client was never given it), and `show` prints the `resolve with:` flags
+/// the guide promises, which name the record: a verdict with them lands,
+/// and one naming it as it was before the layer parked it is refused.
+async fn a_record_whose_handler_committed_reads_alike_in_status_show_and_unresolved<DB: Store>() {
+    use tower_idempotency::testkit::{Harness, order};
+    let h = Harness::<DB>::new().await;
+    let url = DB::url_of(&h.pool);
+    let app = h.app();
+    let a = send(
+        &app,
+        order(
+            Some("alice"),
+            Some("k-1"),
+            r#"{"amount":1,"mode":"commit_201"}"#,
+        ),
+    )
+    .await;
+    assert_eq!(a.status, 500, "the client got 500: {a:?}");
+    let scope = [
+        "--principal",
+        "alice",
+        "--operation",
+        "POST /orders",
+        "--key",
+        "k-1",
+    ];
+
+    let status = cli(&url, &["status", "--json"]).await.one_json();
+    assert_eq!(status["parked"], 1, "{status}");
+    let mut show = vec!["show", "--json"];
+    show.extend(scope);
+    let row = cli(&url, &show).await.one_json();
+    assert_eq!(row["status"], "NEEDS_RECONCILIATION", "{row}");
+    assert_eq!(row["parks"], 1, "parked, so parked once: {row}");
+
+    let status_text = cli(&url, &["status"]).await;
+    assert!(
+        status_text.stdout.contains("parked:              1"),
+        "{status_text:?}"
+    );
+    let mut show_text = vec!["show"];
+    show_text.extend(scope);
+    let text = cli(&url, &show_text).await;
+    assert_eq!(text.code, 0, "{text:?}");
+    assert!(text.stdout.contains("parks:           1"), "{text:?}");
+    assert!(
+        !text.stdout.contains("answer status"),
+        "the client never got the handler's 201: {text:?}"
+    );
+    assert!(
+        text.stdout
+            .lines()
+            .any(|l| l.starts_with("handler status:  201 ") && l.contains("never sent")),
+        "{text:?}"
+    );
+    let flags = text
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("resolve with:    "))
+        .unwrap_or_else(|| panic!("no resolve with: line: {text:?}"));
+    assert_eq!(flags, "--expect-generation 0 --expect-parks 1", "{text:?}");
+
+    let listed = cli(&url, &["unresolved"]).await;
+    assert!(
+        listed
+            .stdout
+            .lines()
+            .next()
+            .is_some_and(|h| h.contains("HANDLER") && !h.contains("LAST")),
+        "{listed:?}"
+    );
+
+    // Seen before the layer parked it (PROCESSING, parks 0): refused, dry
+    // run or not, and nothing written.
+    for dry in [true, false] {
+        let mut stale = vec!["resolve"];
+        stale.extend(scope);
+        stale.extend(["--expect-generation", "0", "--expect-parks", "0"]);
+        stale.extend(["--rerun", "--reason", "seen as PROCESSING"]);
+        if dry {
+            stale.push("--dry-run");
+        }
+        let refused = cli(&url, &stale).await;
+        refused.assert_failed(1, "moved since it was seen");
+    }
+    let row = cli(&url, &show).await.one_json();
+    assert_eq!(row["status"], "NEEDS_RECONCILIATION", "{row}");
+    assert_eq!(row["audit"], serde_json::json!([]), "{row}");
+
+    let mut resolve = vec!["resolve"];
+    resolve.extend(scope);
+    resolve.extend(flags.split(' '));
+    resolve.extend(["--rerun", "--reason", "the order row is not there"]);
+    let done = cli(&url, &resolve).await;
+    assert_eq!(done.code, 0, "the printed flags name the record: {done:?}");
 }

@@ -152,10 +152,19 @@ fn fields(row: &LedgerRow) -> String {
             ),
         );
         field("Recovery point", opt(row.recovery_point.as_deref()));
-        field("Times parked", row.parks.to_string());
     }
-    if let Some(status) = row.response_status {
+    field("Parks", row.parks.to_string());
+    if let Some(status) = row.answer_status() {
         field("Answer status", status.to_string());
+    }
+    if let Some(status) = row.handler_status() {
+        field(
+            "Handler status",
+            format!(
+                "{status} <span class=\"note\">(the handler's, never sent: it ended its \
+                 transaction itself; the layer answered 500)</span>"
+            ),
+        );
     }
     for (name, value) in row.headers() {
         field("Answer header", esc(&format!("{name}: {value}")));

@@ -80,7 +80,9 @@ use crate::{Reconciler, Resolution, ResolveError};
 
 /// A listed record as JSON, its age measured against `now` (the
 /// database clock, [`Ledger::clock`]), with the step key of its pending
-/// step (what the provider knows the call by).
+/// step (what the provider knows the call by). `handler_status` (also
+/// under its column's name, `response_status`) is what the handler
+/// answered before the layer found its transaction ended: never sent.
 pub fn unresolved_json(record: &UnresolvedRecord, now: i64) -> serde_json::Value {
     serde_json::json!({
         "principal": record.principal,
@@ -92,6 +94,7 @@ pub fn unresolved_json(record: &UnresolvedRecord, now: i64) -> serde_json::Value
         "step_key": step_key(record).map(|k| k.as_str().to_string()),
         "recovery_point": record.recovery_point,
         "response_status": record.response_status,
+        "handler_status": record.response_status,
         "created_at": record.created_at,
         "age_ms": now.saturating_sub(record.created_at),
         "locked_until": record.locked_until,

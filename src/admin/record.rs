@@ -23,7 +23,10 @@ pub struct LedgerRow {
     pub status: RecordStatus,
     /// The request fingerprint (SHA-256).
     pub fingerprint: Vec<u8>,
-    /// The recorded answer's status code.
+    /// The `response_status` column: on a settled record, the recorded
+    /// answer's status ([`answer_status`](Self::answer_status)); on an
+    /// unsettled one, what the handler answered before the layer found its
+    /// transaction ended, never sent ([`handler_status`](Self::handler_status)).
     pub response_status: Option<i32>,
     /// The recorded answer's headers, encoded (`name:value\n` each).
     pub response_headers: Option<Vec<u8>>,
@@ -49,7 +52,9 @@ pub struct LedgerRow {
     pub pending_until: Option<i64>,
     /// Lease mode: the claim's random id.
     pub claim_id: Option<String>,
-    /// Lease mode: how often the row was parked.
+    /// How often the row was parked (`NEEDS_RECONCILIATION`): by a lease-mode
+    /// step whose outcome was unknown, or by the layer when a handler ended
+    /// its transaction itself. At least 1 while the row is parked.
     pub parks: i64,
     /// The database clock when the row was read, epoch ms: ages are
     /// measured against it, never against this machine's clock.
@@ -112,7 +117,7 @@ impl LedgerRow {
             self.status == RecordStatus::Processing,
         );
         if seen.generation == 0 {
-            return if self.generation == 0 && (parked || processing) {
+            return if self.generation == 0 && (parked || processing) && self.parks == seen.parks {
                 Ok(())
             } else {
                 Err(ResolveError::Changed {
@@ -144,12 +149,16 @@ impl LedgerRow {
         })
     }
 
-    /// What the record is, in one line: its status, answer, generation,
-    /// parks and lease (for messages about a record that moved).
+    /// What the record is, in one line: its status, answer (or, unsettled,
+    /// its [`handler_status`](Self::handler_status), named as such),
+    /// generation, parks and lease (for messages about a record that moved).
     pub fn describe(&self) -> String {
         let mut out = self.status.as_str().to_string();
-        if let Some(s) = self.response_status {
+        if let Some(s) = self.answer_status() {
             out.push_str(&format!(" {s}"));
+        }
+        if let Some(s) = self.handler_status() {
+            out.push_str(&format!(", handler status {s} (never sent)"));
         }
         if self.generation > 0 {
             out.push_str(&format!(
@@ -167,6 +176,23 @@ impl LedgerRow {
             }
         }
         out
+    }
+
+    /// The status of the recorded answer, the one retries replay: set on a
+    /// settled record only.
+    pub fn answer_status(&self) -> Option<i32> {
+        self.response_status.filter(|_| self.is_settled())
+    }
+
+    /// The status the handler answered when the layer found that it had
+    /// ended the claimed transaction itself: on an unsettled record only.
+    /// Never an answer anyone was given: the layer answered that request
+    /// `500` (`#transaction-ended`), and retries get `503`
+    /// (`#reconciling`) until an operator settles the record. (A message
+    /// consumer's record holds `200` here: its handler succeeded, and the
+    /// message was not acknowledged.)
+    pub fn handler_status(&self) -> Option<i32> {
+        self.response_status.filter(|_| !self.is_settled())
     }
 
     /// The recorded headers as `(name, value)` text pairs.
@@ -196,7 +222,9 @@ impl LedgerRow {
     }
 
     /// The row as JSON: every column, the body as text when it is text
-    /// (`response_body`) and as hex otherwise (`response_body_hex`).
+    /// (`response_body`) and as hex otherwise (`response_body_hex`), and
+    /// `response_status` named for what it is: `answer_status` (settled)
+    /// or `handler_status` (unsettled), the other `null`.
     pub fn to_json(&self) -> Value {
         let mut v = self.before_json();
         if let Value::Object(map) = &mut v {
@@ -220,6 +248,8 @@ impl LedgerRow {
                     map.insert("response_body".into(), Value::Null);
                 }
             }
+            map.insert("answer_status".into(), json!(self.answer_status()));
+            map.insert("handler_status".into(), json!(self.handler_status()));
             map.insert("resource_id".into(), json!(self.resource_id));
             map.insert("age_ms".into(), self.age_ms().into());
             map.insert("read_at".into(), self.read_at.into());
@@ -263,7 +293,7 @@ fn hex(bytes: &[u8]) -> String {
 pub struct Seen {
     /// The fencing generation seen (0 for the default mode).
     pub generation: i64,
-    /// How often the record had been parked.
+    /// How often the record had been parked ([`LedgerRow::parks`]).
     pub parks: i64,
     /// The claim id seen (`None` for the default mode).
     pub claim_id: Option<String>,

@@ -230,11 +230,14 @@ impl Dialect {
     /// when listed (at any generation: a completer pass that only takes it
     /// and gives it back moves the generation, one that parks it again
     /// moves `parks`), or `PROCESSING` with its lease lapsed at the listed
-    /// generation; a default-mode row `PROCESSING` or parked.
+    /// generation; a default-mode row `PROCESSING` or parked, parked as
+    /// often as when listed (so a `PROCESSING` row seen before the layer
+    /// parked it is not taken for the parked one).
     fn verdict(&self, a: &mut Args, scope: &Scope<'_>, fence: Fence<'_>, parks: i64) -> String {
         if fence.generation == 0 {
             return format!(
-                "{} AND generation = 0 AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION')",
+                "{} AND generation = 0 AND status IN ('PROCESSING', 'NEEDS_RECONCILIATION') \
+                 AND parks = {parks}",
                 self.scope(a, scope)
             );
         }

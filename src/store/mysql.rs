@@ -340,17 +340,19 @@ impl Backend for MySql {
              CAST(parks AS SIGNED) FROM idempotency_records \
              WHERE principal_id = ? AND operation = ? AND idem_key = ?"
         ),
-        // Assignments run left to right: response_status before status.
+        // Assignments run left to right: response_status and parks before
+        // status.
         mark = concat!(
             pinned!(),
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
-             request_fingerprint, status, response_status, created_at, expires_at) \
-             VALUES (?, ?, ?, ?, 'NEEDS_RECONCILIATION', ?, ",
+             request_fingerprint, status, response_status, parks, created_at, expires_at) \
+             VALUES (?, ?, ?, ?, 'NEEDS_RECONCILIATION', ?, 1, ",
             now_ms!(),
             ", ",
             now_ms!(),
             " + ?) ON DUPLICATE KEY UPDATE \
              response_status = IF(status = 'PROCESSING', VALUES(response_status), response_status), \
+             parks = IF(status = 'PROCESSING', parks + 1, parks), \
              status = IF(status = 'PROCESSING', 'NEEDS_RECONCILIATION', status)"
         ),
         expire = concat!(

@@ -309,15 +309,16 @@ impl Backend for Postgres {
         ),
         mark = concat!(
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
-             request_fingerprint, status, response_status, created_at, expires_at) \
+             request_fingerprint, status, response_status, parks, created_at, expires_at) \
              VALUES (convert_from($1, 'UTF8'), convert_from($2, 'UTF8'), convert_from($3, 'UTF8'), \
-             $4, 'NEEDS_RECONCILIATION', $5, ",
+             $4, 'NEEDS_RECONCILIATION', $5, 1, ",
             now_ms!(),
             ", ",
             now_ms!(),
             " + $6) \
              ON CONFLICT (principal_id, operation, idem_key) DO UPDATE \
-             SET status = 'NEEDS_RECONCILIATION', response_status = EXCLUDED.response_status \
+             SET status = 'NEEDS_RECONCILIATION', response_status = EXCLUDED.response_status, \
+             parks = idempotency_records.parks + 1 \
              WHERE idempotency_records.status = 'PROCESSING'"
         ),
         expire = concat!(

@@ -173,7 +173,9 @@ pub struct UnresolvedRecord {
     /// transaction, or a lease lapsed with a step pending or long ago) or
     /// `NEEDS_RECONCILIATION`.
     pub status: RecordStatus,
-    /// The status the handler answered, when known.
+    /// The status the handler answered when the layer found that it had
+    /// ended its transaction itself (a default-mode record): never sent,
+    /// the client was answered `500`. `None` otherwise.
     pub response_status: Option<i32>,
     /// When the key was claimed, epoch milliseconds (database clock).
     pub created_at: i64,
@@ -189,9 +191,12 @@ pub struct UnresolvedRecord {
     /// Lease mode: when the lease ends or ended (for a parked record, when
     /// a completer may retry it), epoch milliseconds (database clock).
     pub locked_until: Option<i64>,
-    /// Lease mode: how often the record was parked (a verdict names it, so
-    /// a completer pass that acted on the record since the listing makes
-    /// the verdict [`Changed`](crate::ResolveError::Changed)).
+    /// How often the record was parked (`NEEDS_RECONCILIATION`, by a
+    /// lease-mode step or by the layer when a handler ended its
+    /// transaction; at least 1 while it is parked). A verdict names it, so
+    /// a completer pass that acted on the record since the listing (or the
+    /// layer parking a record listed as `PROCESSING`) makes the verdict
+    /// [`Changed`](crate::ResolveError::Changed).
     pub parks: i64,
 }
 

@@ -163,13 +163,14 @@ impl Backend for Sqlite {
         ),
         mark = concat!(
             "INSERT INTO main.idempotency_records (principal_id, operation, idem_key, \
-             request_fingerprint, status, response_status, created_at, expires_at) \
-             VALUES (?, ?, ?, ?, 'NEEDS_RECONCILIATION', ?, ",
+             request_fingerprint, status, response_status, parks, created_at, expires_at) \
+             VALUES (?, ?, ?, ?, 'NEEDS_RECONCILIATION', ?, 1, ",
             now_ms!(),
             ", ",
             now_ms!(),
             " + ?) ON CONFLICT (principal_id, operation, idem_key) DO UPDATE \
-             SET status = 'NEEDS_RECONCILIATION', response_status = excluded.response_status \
+             SET status = 'NEEDS_RECONCILIATION', response_status = excluded.response_status, \
+             parks = main.idempotency_records.parks + 1 \
              WHERE main.idempotency_records.status = 'PROCESSING'"
         ),
         expire = concat!(

@@ -56,6 +56,12 @@ pub(crate) async fn show<DB: AdminBackend>(
     Ok(())
 }
 
+/// What `handler status` is, said beside it.
+const HANDLER_STATUS: &str =
+    "the handler's, never sent: it ended its transaction itself; the layer answered 500";
+
+/// One record, a field a line; its flags for `resolve` when it is
+/// unsettled.
 pub(crate) fn print_row(row: &LedgerRow) {
     println!("principal:       {}", shown(&row.principal));
     println!("operation:       {}", shown(&row.operation));
@@ -89,8 +95,13 @@ pub(crate) fn print_row(row: &LedgerRow) {
             println!("locked until:    {}", time(t));
         }
     }
-    if let Some(status) = row.response_status {
-        println!("answer status:   {status}");
+    match (row.response_status, row.is_settled()) {
+        // The answer retries replay.
+        (Some(status), true) => println!("answer status:   {status}"),
+        // What the handler answered when the layer found its transaction
+        // ended: never the client's answer.
+        (Some(status), false) => println!("handler status:  {status} ({HANDLER_STATUS})"),
+        (None, _) => {}
     }
     for (name, value) in row.headers() {
         println!("answer header:   {}: {}", shown(&name), shown(&value));
@@ -103,7 +114,7 @@ pub(crate) fn print_row(row: &LedgerRow) {
     if let Some(id) = &row.resource_id {
         println!("resource id:     {}", shown(id));
     }
-    if row.generation > 0 && !row.is_settled() {
+    if !row.is_settled() {
         println!(
             "resolve with:    --expect-generation {} --expect-parks {}{}",
             row.generation,

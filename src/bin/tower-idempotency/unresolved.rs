@@ -22,12 +22,12 @@ pub(crate) async fn unresolved<DB: AdminBackend>(
         return Ok(());
     }
     println!(
-        "{:<22} {:>4} {:<12} {:<12} {:>10} {:>5}  STEP KEY",
-        "STATUS", "GEN", "PENDING", "RECOVERY", "AGE", "LAST"
+        "{:<22} {:>4} {:<12} {:<12} {:>10} {:>7}  STEP KEY",
+        "STATUS", "GEN", "PENDING", "RECOVERY", "AGE", "HANDLER"
     );
     for r in &records {
         println!(
-            "{:<22} {:>4} {:<12} {:<12} {:>10} {:>5}  {}",
+            "{:<22} {:>4} {:<12} {:<12} {:>10} {:>7}  {}",
             r.status.as_str(),
             r.generation,
             clip(&shown(r.pending_step.as_deref().unwrap_or("-")), 12),
