@@ -104,7 +104,7 @@ async fn main() {
     let h = Harness::<sqlx::Postgres>::new().await;
     let app = h.app();
     // No bound: one principal may hold the whole pool.
-    let unbounded = h.app_with(h.layer().with_max_per_principal(20).expect("a bound"));
+    let unbounded = h.app_with(h.layer().with_max_per_principal(20));
     // Warm the pool and the statement caches.
     let _ = calm(&app, "warm").await;
     let (alone, alone_statuses) = calm(&app, "alone").await;

@@ -409,7 +409,7 @@ where
     // layer is told the path. Retries replay for 24 hours.
     let idempotency = IdempotencyLayer::new(pool.clone())
         .with_paths([orders::CREATE_ORDER])
-        .with_retention(Duration::from_secs(24 * 3600))?;
+        .with_retention(Duration::from_secs(24 * 3600));
     let listener = tokio::net::TcpListener::bind(args.addr).await?;
     println!(
         "grpc_order_service listening on http://{} (store: {store})",

@@ -703,7 +703,7 @@ fn router<DB: OrderDb>(
     let idempotency = IdempotencyLayer::new(pool.clone())
         .with_operation("create-order")
         .with_normalizer(Normalizer::custom(normalize_order))
-        .with_retention(Duration::from_secs(24 * 3600))?
+        .with_retention(Duration::from_secs(24 * 3600))
         .with_resource_link(|id| format!("/orders/{id}"));
     // "Did my key land?": the same layer's keys, behind the same
     // authentication (`GET /idempotency-keys?operation=create-order`).
@@ -712,7 +712,7 @@ fn router<DB: OrderDb>(
     // is guarded (a key required, replayed), in a scope of its own.
     let updates = IdempotencyLayer::new(pool.clone())
         .with_operation("update-order")
-        .with_retention(Duration::from_secs(24 * 3600))?;
+        .with_retention(Duration::from_secs(24 * 3600));
     let order = get(get_order::<DB>)
         .patch(update_order::<DB>)
         .delete(delete_order::<DB>)

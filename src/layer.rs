@@ -27,9 +27,35 @@ use crate::store::{Backend, IsolationLevel};
 ///
 /// Every setting has a default that is safe for payments; each `with_*`
 /// method names its default. See the [crate docs](crate) for the protocol.
+///
+/// # Checked in one place
+///
+/// The setters chain without `?`, as tower-http's do. Each checks its
+/// value; the first one that cannot work (a zero limit, a wait past ten
+/// minutes, a credential header in the fingerprint) is kept, and
+/// [`check`](Self::check) reports it. A layer that still holds one panics
+/// when it wraps a service, with the setting named: at start-up (where
+/// axum's router also panics on a route that cannot work), never on a
+/// request, and never with a value silently replaced.
+///
+/// ```
+/// # #[cfg(feature = "sqlite")]
+/// # fn build(pool: sqlx::SqlitePool) -> Result<(), tower_idempotency::ConfigError> {
+/// use std::time::Duration;
+/// use tower_idempotency::IdempotencyLayer;
+///
+/// let layer = IdempotencyLayer::new(pool)
+///     .with_retention(Duration::from_secs(7 * 24 * 3600))
+///     .with_max_request_body(256 * 1024)
+///     .check()?; // a value read from your configuration may be refused
+/// # Ok(())
+/// # }
+/// ```
 pub struct IdempotencyLayer<DB: Backend> {
     pool: Pool<DB>,
     config: Config,
+    /// The first setting that could not work, if any.
+    invalid: Option<ConfigError>,
 }
 
 impl<DB: Backend> Clone for IdempotencyLayer<DB> {
@@ -37,6 +63,7 @@ impl<DB: Backend> Clone for IdempotencyLayer<DB> {
         Self {
             pool: self.pool.clone(),
             config: self.config.clone(),
+            invalid: self.invalid.clone(),
         }
     }
 }
@@ -93,7 +120,32 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 lease: None,
                 policy: None,
             },
+            invalid: None,
         }
+    }
+
+    /// The layer, or the first setting given to it that cannot work (see
+    /// [Checked in one place](Self#checked-in-one-place)).
+    pub fn check(self) -> Result<Self, ConfigError> {
+        match self.invalid {
+            Some(e) => Err(e),
+            None => Ok(self),
+        }
+    }
+
+    /// Applies a checked value, or keeps its error when it is the first.
+    fn checked<T>(
+        mut self,
+        value: Result<T, ConfigError>,
+        apply: impl FnOnce(&mut Config, T),
+    ) -> Self {
+        match value {
+            Ok(v) => apply(&mut self.config, v),
+            Err(e) => {
+                self.invalid.get_or_insert(e);
+            }
+        }
+        self
     }
 
     /// The methods the layer guards; others pass through untouched. The
@@ -174,10 +226,8 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// layer's own `idempotent-replayed` and `idempotency-key-expires`, and
     /// the hop-by-hop and framing headers `content-length`,
     /// `transfer-encoding`, `connection`, `te`, `host`).
-    pub fn with_fingerprint_headers(
-        mut self,
-        headers: impl IntoIterator<Item = HeaderName>,
-    ) -> Result<Self, ConfigError> {
+    #[must_use]
+    pub fn with_fingerprint_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         // Credentials and request-only headers, besides those that
         // describe any attempt (shared with the replay's list).
         const REFUSED: [&str; 7] = [
@@ -190,18 +240,18 @@ impl<DB: Backend> IdempotencyLayer<DB> {
             "host",
         ];
         let mut names: Vec<HeaderName> = Vec::new();
+        let mut refused = None;
         for name in headers {
             if REFUSED.contains(&name.as_str())
                 || crate::replay::PER_ATTEMPT_HEADERS.contains(&name.as_str())
             {
-                return Err(ConfigError::FingerprintHeader(name));
-            }
-            if !names.contains(&name) {
+                refused.get_or_insert(ConfigError::FingerprintHeader(name));
+            } else if !names.contains(&name) {
                 names.push(name);
             }
         }
-        self.config.fingerprint_headers = names;
-        Ok(self)
+        let names = refused.map_or(Ok(names), Err);
+        self.checked(names, |c, names| c.fingerprint_headers = names)
     }
 
     /// Reads the key from the request body when the request has no
@@ -296,9 +346,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
 
     /// The largest request body buffered, in bytes; larger requests get `413`
     /// without the rest being read. The default is 1 MiB.
-    pub fn with_max_request_body(mut self, bytes: usize) -> Result<Self, ConfigError> {
-        self.config.max_request_body = nonzero(bytes, "max_request_body")?;
-        Ok(self)
+    #[must_use]
+    pub fn with_max_request_body(self, bytes: usize) -> Self {
+        self.checked(nonzero(bytes, "max_request_body"), |c, v| {
+            c.max_request_body = v;
+        })
     }
 
     /// The largest response body recorded, in bytes. A larger answer is
@@ -310,9 +362,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// body in place of the body, never a second run. Set it per route (a
     /// layer per route) for exports and batch answers. The default is
     /// 1 MiB.
-    pub fn with_max_response_body(mut self, bytes: usize) -> Result<Self, ConfigError> {
-        self.config.max_response_body = nonzero(bytes, "max_response_body")?;
-        Ok(self)
+    #[must_use]
+    pub fn with_max_response_body(self, bytes: usize) -> Self {
+        self.checked(nonzero(bytes, "max_response_body"), |c, v| {
+            c.max_response_body = v;
+        })
     }
 
     /// How long an answer streamed past the recording limit
@@ -323,9 +377,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// it streams. One that streams longer is rolled back and its body
     /// broken off, so the client never takes it for a success. The
     /// default is 60 seconds; zero is refused.
-    pub fn with_max_stream_hold(mut self, hold: Duration) -> Result<Self, ConfigError> {
-        self.config.max_stream_hold = nonzero(hold, "max_stream_hold")?;
-        Ok(self)
+    #[must_use]
+    pub fn with_max_stream_hold(self, hold: Duration) -> Self {
+        self.checked(nonzero(hold, "max_stream_hold"), |c, v| {
+            c.max_stream_hold = v;
+        })
     }
 
     /// How long a key is honoured after its first use, on the database's
@@ -334,9 +390,9 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// `410`); more than 10 000 years is that, "forever". The default is
     /// 24 hours. Counted from when the answer is recorded, so a lease-mode
     /// record settled late is replayable for all of it.
-    pub fn with_retention(mut self, retention: Duration) -> Result<Self, ConfigError> {
-        self.config.retention = nonzero(retention, "retention")?;
-        Ok(self)
+    #[must_use]
+    pub fn with_retention(self, retention: Duration) -> Self {
+        self.checked(nonzero(retention, "retention"), |c, v| c.retention = v)
     }
 
     /// The longest a request waits, in all, for another request that holds
@@ -349,10 +405,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// shortens it to three quarters of the deadline, SQLite's included
     /// (see `docs/grpc.md`). The default is 2 seconds; zero and more
     /// than ten minutes are refused.
-    pub fn with_in_flight_wait(mut self, wait: Duration) -> Result<Self, ConfigError> {
-        let wait = at_most(wait, MAX_WAIT, "in_flight_wait")?;
-        self.config.in_flight_wait = nonzero(wait, "in_flight_wait")?;
-        Ok(self)
+    #[must_use]
+    pub fn with_in_flight_wait(self, wait: Duration) -> Self {
+        let wait = at_most(wait, MAX_WAIT, "in_flight_wait")
+            .and_then(|wait| nonzero(wait, "in_flight_wait"));
+        self.checked(wait, |c, v| c.in_flight_wait = v)
     }
 
     /// How many pooled connections requests that wait on another request's
@@ -361,10 +418,12 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// nobody contends always find a connection. A request not yet known to
     /// wait probes a held key for at most 50 ms without a permit. The
     /// default is a quarter of the pool's `max_connections`, at least 1.
-    pub fn with_max_waiting(mut self, connections: usize) -> Result<Self, ConfigError> {
-        self.config.max_waiting = nonzero(connections, "max_waiting")?;
-        self.config.waiters = Arc::new(tokio::sync::Semaphore::new(connections));
-        Ok(self)
+    #[must_use]
+    pub fn with_max_waiting(self, connections: usize) -> Self {
+        self.checked(nonzero(connections, "max_waiting"), |c, v| {
+            c.max_waiting = v;
+            c.waiters = Arc::new(tokio::sync::Semaphore::new(v));
+        })
     }
 
     /// How many pooled connections one principal's guarded requests may
@@ -405,11 +464,12 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// this process hold no connection and take no turn; the queue is per
     /// layer (per process) and counts only the layer's own requests;
     /// lease mode's phases are not counted.
-    pub fn with_max_per_principal(mut self, connections: usize) -> Result<Self, ConfigError> {
-        let connections = nonzero(connections, "max_per_principal")?;
-        let capacity = self.config.principal_slots.capacity();
-        self.config.principal_slots = Arc::new(PrincipalSlots::new(capacity, connections));
-        Ok(self)
+    #[must_use]
+    pub fn with_max_per_principal(self, connections: usize) -> Self {
+        self.checked(nonzero(connections, "max_per_principal"), |c, v| {
+            let capacity = c.principal_slots.capacity();
+            c.principal_slots = Arc::new(PrincipalSlots::new(capacity, v));
+        })
     }
 
     /// How many of this layer's requests wait for a turn at the store now
@@ -434,25 +494,29 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// jittered backoff between them, all within `deadline` (and within the
     /// in-flight wait, whichever ends first). The default is 3 attempts
     /// within 10 seconds.
-    pub fn with_claim_retries(
-        mut self,
-        attempts: u32,
-        deadline: Duration,
-    ) -> Result<Self, ConfigError> {
-        self.config.claim_attempts = nonzero(attempts, "claim attempts")?;
-        let deadline = at_most(deadline, MAX_WAIT, "claim deadline")?;
-        self.config.claim_deadline = nonzero(deadline, "claim deadline")?;
-        Ok(self)
+    #[must_use]
+    pub fn with_claim_retries(self, attempts: u32, deadline: Duration) -> Self {
+        let bounds = nonzero(attempts, "claim attempts").and_then(|attempts| {
+            let deadline = at_most(deadline, MAX_WAIT, "claim deadline")?;
+            Ok((attempts, nonzero(deadline, "claim deadline")?))
+        });
+        self.checked(bounds, |c, (attempts, deadline)| {
+            c.claim_attempts = attempts;
+            c.claim_deadline = deadline;
+        })
     }
 
     /// The status for a key reused with a different request: `422` (the IETF
     /// draft) or `409`. The default is `422`.
-    pub fn with_mismatch_status(mut self, status: StatusCode) -> Result<Self, ConfigError> {
-        if status != StatusCode::CONFLICT && status != StatusCode::UNPROCESSABLE_ENTITY {
-            return Err(ConfigError::MismatchStatus(status));
-        }
-        self.config.mismatch_status = status;
-        Ok(self)
+    #[must_use]
+    pub fn with_mismatch_status(self, status: StatusCode) -> Self {
+        let status = if status == StatusCode::CONFLICT || status == StatusCode::UNPROCESSABLE_ENTITY
+        {
+            Ok(status)
+        } else {
+            Err(ConfigError::MismatchStatus(status))
+        };
+        self.checked(status, |c, v| c.mismatch_status = v)
     }
 
     /// Whether replays carry `Idempotent-Replayed: true`. The default is `true`.
@@ -551,7 +615,15 @@ fn default_turns<DB: Backend>(pool_size: u32) -> PrincipalSlots {
 impl<S, DB: Backend> Layer<S> for IdempotencyLayer<DB> {
     type Service = Idempotency<S, DB>;
 
+    /// # Panics
+    ///
+    /// When a setting given to the layer cannot work (see
+    /// [Checked in one place](IdempotencyLayer#checked-in-one-place)):
+    /// when the service is built, at start-up, never on a request.
     fn layer(&self, inner: S) -> Self::Service {
+        if let Some(e) = &self.invalid {
+            panic!("IdempotencyLayer: {e} (IdempotencyLayer::check reports it as an error)");
+        }
         Idempotency::new(inner, self.pool.clone(), Arc::new(self.config.clone()))
     }
 }
@@ -572,24 +644,41 @@ mod tests {
     #[tokio::test]
     async fn settings_that_cannot_work_are_refused() {
         assert_eq!(
-            layer().with_retention(Duration::ZERO).unwrap_err(),
+            layer().with_retention(Duration::ZERO).check().unwrap_err(),
             ConfigError::Zero("retention")
         );
-        assert!(layer().with_retention(Duration::from_millis(1)).is_ok());
-        assert!(layer().with_in_flight_wait(Duration::ZERO).is_err());
-        assert!(layer().with_max_waiting(0).is_err());
+        assert!(
+            layer()
+                .with_retention(Duration::from_millis(1))
+                .check()
+                .is_ok()
+        );
+        assert!(layer().with_in_flight_wait(Duration::ZERO).check().is_err());
+        assert!(layer().with_max_waiting(0).check().is_err());
         assert!(
             layer()
                 .with_claim_retries(0, Duration::from_secs(1))
+                .check()
                 .is_err()
         );
-        assert!(layer().with_claim_retries(1, Duration::ZERO).is_err());
-        assert!(layer().with_max_request_body(0).is_err());
-        assert!(layer().with_mismatch_status(StatusCode::OK).is_err());
+        assert!(
+            layer()
+                .with_claim_retries(1, Duration::ZERO)
+                .check()
+                .is_err()
+        );
+        assert!(layer().with_max_request_body(0).check().is_err());
+        assert!(
+            layer()
+                .with_mismatch_status(StatusCode::OK)
+                .check()
+                .is_err()
+        );
         for refused in [header::AUTHORIZATION, header::COOKIE, header::DATE] {
             assert_eq!(
                 layer()
                     .with_fingerprint_headers([refused.clone()])
+                    .check()
                     .unwrap_err(),
                 ConfigError::FingerprintHeader(refused)
             );
@@ -597,19 +686,28 @@ mod tests {
         assert!(
             layer()
                 .with_fingerprint_headers([HeaderName::from_static("api-version")])
+                .check()
                 .is_ok()
         );
         // Waits that become `Instant + d` are bounded: Duration::MAX
         // panicked on every request. (A retention that long is "forever",
         // capped: see `longest_retention_still_records_and_replays`.)
         assert!(matches!(
-            layer().with_in_flight_wait(Duration::MAX).unwrap_err(),
+            layer()
+                .with_in_flight_wait(Duration::MAX)
+                .check()
+                .unwrap_err(),
             ConfigError::TooLong {
                 what: "in_flight_wait",
                 ..
             }
         ));
-        assert!(layer().with_claim_retries(3, Duration::MAX).is_err());
+        assert!(
+            layer()
+                .with_claim_retries(3, Duration::MAX)
+                .check()
+                .is_err()
+        );
         // The defaults: a quarter of the pool may wait, and the body's
         // representation headers are recorded.
         let l = layer();
@@ -619,5 +717,34 @@ mod tests {
                 .recorded_headers
                 .contains(&header::CONTENT_ENCODING)
         );
+    }
+
+    /// A chain keeps its first refused setting, whatever follows, and the
+    /// value it refused never replaces the default.
+    #[tokio::test]
+    async fn a_chain_reports_its_first_refused_setting() {
+        let chained = layer()
+            .with_retention(Duration::from_secs(60))
+            .with_max_request_body(0)
+            .with_mismatch_status(StatusCode::OK)
+            .with_in_flight_wait(Duration::from_secs(1));
+        assert_eq!(chained.config.max_request_body, 1024 * 1024);
+        assert_eq!(chained.config.retention, Duration::from_secs(60));
+        assert_eq!(
+            chained.check().unwrap_err(),
+            ConfigError::Zero("max_request_body")
+        );
+    }
+
+    /// A layer holding a refused setting never serves: it panics when it
+    /// wraps a service, naming the setting.
+    #[tokio::test]
+    #[should_panic(expected = "max_request_body must be greater than zero")]
+    async fn a_layer_with_a_refused_setting_panics_when_it_wraps_a_service() {
+        let _ = layer().with_max_request_body(0).layer(tower::service_fn(
+            |_: http::Request<String>| async {
+                Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+            },
+        ));
     }
 }

@@ -107,7 +107,6 @@ macro_rules! settings_survive_every_path {
             IdempotencyLayer::new(pool.clone())
                 .unscoped()
                 .with_in_flight_wait(Duration::from_millis(1500))
-                .unwrap()
         };
         let session = || async {
             sqlx::query_scalar::<_, String>(probe)

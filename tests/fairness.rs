@@ -264,8 +264,7 @@ async fn storms_leave_the_calm_tenant_a_turn<DB: ConformanceDb>(pool_size: u32, 
         .unwrap();
     let layer = IdempotencyLayer::new(pool)
         .with_principal(bearer)
-        .with_in_flight_wait(Duration::from_secs(10))
-        .unwrap();
+        .with_in_flight_wait(Duration::from_secs(10));
     let world = World::default();
     let app = gated_app(layer, &world);
     let share = pool_size as usize - pool_size as usize / 4;
@@ -338,9 +337,7 @@ async fn calm_takes_its_turn_at_the_writer(storms: usize) {
     let layer = h
         .layer()
         .with_in_flight_wait(Duration::from_secs(60))
-        .unwrap()
-        .with_claim_retries(3, Duration::from_secs(60))
-        .unwrap();
+        .with_claim_retries(3, Duration::from_secs(60));
     let world = World::default();
     let app = gated_app(layer.clone(), &world);
     let mut sent = Vec::new();

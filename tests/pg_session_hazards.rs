@@ -200,11 +200,7 @@ async fn a_principal_never_waits_on_another_principals_scope() {
 async fn a_waiter_that_wins_keeps_the_scope_through_a_final_error() {
     use tower_idempotency::testkit::{ConformanceDb, Harness, order, send};
     let h = Harness::<sqlx::Postgres>::new().await;
-    let layer = || {
-        h.layer()
-            .with_in_flight_wait(Duration::from_secs(5))
-            .unwrap()
-    };
+    let layer = || h.layer().with_in_flight_wait(Duration::from_secs(5));
     let (b, c) = (h.app_with(layer()), h.app_with(layer()));
     // Out of stock: a final business error, recorded.
     let body = r#"{"amount":1,"items":[{"sku":"none","qty":1}]}"#;

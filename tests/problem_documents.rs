@@ -89,11 +89,7 @@ async fn create_order(
 fn app(pool: &Pool<Sqlite>) -> Router {
     Router::new()
         .route("/orders", post(create_order))
-        .layer(
-            IdempotencyLayer::new(pool.clone())
-                .with_in_flight_wait(Duration::from_millis(20))
-                .unwrap(),
-        )
+        .layer(IdempotencyLayer::new(pool.clone()).with_in_flight_wait(Duration::from_millis(20)))
         // Added after the layer: not covered by it.
         .route("/late", post(create_order))
 }

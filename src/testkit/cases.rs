@@ -157,7 +157,7 @@ pub async fn missing_principal_is_refused_and_nothing_stored<DB: ConformanceDb>(
 
 /// Case: oversized body is refused before buffering.
 pub async fn oversized_body_is_refused_before_buffering<DB: ConformanceDb>(h: Harness<DB>) {
-    let app = h.app_with(h.layer().with_max_request_body(64).unwrap());
+    let app = h.app_with(h.layer().with_max_request_body(64));
     let big = format!(r#"{{"amount":1,"pad":"{}"}}"#, "x".repeat(100));
     // Declared length over the limit.
     let a = send(&app, order(ALICE, KEY, &big)).await;
@@ -245,13 +245,10 @@ pub async fn mismatch_status_can_be_409<DB: ConformanceDb>(h: Harness<DB>) {
     assert!(
         h.layer()
             .with_mismatch_status(StatusCode::BAD_REQUEST)
+            .check()
             .is_err()
     );
-    let app = h.app_with(
-        h.layer()
-            .with_mismatch_status(StatusCode::CONFLICT)
-            .unwrap(),
-    );
+    let app = h.app_with(h.layer().with_mismatch_status(StatusCode::CONFLICT));
     send(&app, order(ALICE, KEY, BODY)).await;
     let changed = send(&app, order(ALICE, KEY, r#"{"amount":1,"items":[]}"#)).await;
     assert_eq!(changed.status, StatusCode::CONFLICT);
@@ -379,9 +376,7 @@ pub async fn stuck_claim_is_bounded_then_in_flight_409<DB: ConformanceDb>(h: Har
     let layer = h
         .layer()
         .with_in_flight_wait(wait)
-        .unwrap()
-        .with_claim_retries(3, Duration::from_secs(60))
-        .unwrap();
+        .with_claim_retries(3, Duration::from_secs(60));
     let app = h.app_with(layer);
     let stuck = DB::hold_claim(&h.pool, "user-42", "POST /orders", "checkout-20260914-001").await;
     let started = Instant::now();
@@ -593,7 +588,7 @@ pub async fn unguarded_methods_pass_through<DB: ConformanceDb>(h: Harness<DB>) {
 /// still records and replays: it is capped (10 000 years) before it
 /// becomes SQL arithmetic, on every store.
 pub async fn longest_retention_still_records_and_replays<DB: ConformanceDb>(h: Harness<DB>) {
-    let layer = h.layer().with_retention(Duration::MAX).unwrap();
+    let layer = h.layer().with_retention(Duration::MAX);
     let app = h.app_with(layer);
     let first = send(&app, order(ALICE, KEY, BODY)).await;
     assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
@@ -1124,7 +1119,6 @@ pub async fn waiting_is_bounded_and_leaves_the_pool_to_others<DB: ConformanceDb>
         IdempotencyLayer::new(small.clone())
             .with_principal(super::bearer)
             .with_in_flight_wait(wait)
-            .unwrap()
     };
     let one = h.app_with(layer());
     let two = h.app_with(layer());
@@ -2018,8 +2012,7 @@ pub async fn the_key_status_answer_is_the_replay_trailers_included<DB: Conforman
 pub async fn fingerprinted_headers_tell_versions_apart<DB: ConformanceDb>(h: Harness<DB>) {
     let layer = h
         .layer()
-        .with_fingerprint_headers([http::HeaderName::from_static("api-version")])
-        .unwrap();
+        .with_fingerprint_headers([http::HeaderName::from_static("api-version")]);
     let app = h.app_with(layer);
     let versioned = |version: Option<&'static str>| {
         let mut req = order(ALICE, KEY, BODY);
@@ -2344,9 +2337,7 @@ pub async fn a_grpc_timeout_bounds_the_wait_for_an_in_flight_duplicate<DB: Confo
     let layer = h
         .layer()
         .with_in_flight_wait(Duration::from_secs(120))
-        .unwrap()
-        .with_claim_retries(3, Duration::from_secs(120))
-        .unwrap();
+        .with_claim_retries(3, Duration::from_secs(120));
     let app = h.app_with(layer);
     let stuck = DB::hold_claim(&h.pool, "user-42", "POST /orders", "checkout-20260914-001").await;
     let req = http::Request::post("/orders")

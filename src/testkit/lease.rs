@@ -382,8 +382,7 @@ fn router<DB: ConformanceDb>(
     let layer = IdempotencyLayer::new(h.pool.clone())
         .with_principal(bearer)
         .with_lease(mode)
-        .with_in_flight_wait(in_flight_wait)
-        .expect("a wait above zero");
+        .with_in_flight_wait(in_flight_wait);
     Router::new()
         .route("/payments", post(pay::<DB>))
         .layer(layer)

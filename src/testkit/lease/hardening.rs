@@ -34,7 +34,6 @@ fn layer<DB: ConformanceDb>(h: &Harness<DB>, mode: LeaseMode) -> IdempotencyLaye
         .with_principal(bearer)
         .with_lease(mode)
         .with_in_flight_wait(WAIT)
-        .expect("a wait above zero")
 }
 
 fn answer(status: u16, body: &'static str) -> http::Response<bytes::Bytes> {
@@ -363,11 +362,7 @@ pub async fn lease_settled_answer_is_replayable_for_the_full_retention<DB: Confo
     let app = h.pay_app(mode(Duration::from_secs(30)), WAIT).await;
     let router = Router::new()
         .route("/payments", post(pay::<DB>))
-        .layer(
-            layer(&h, app.mode)
-                .with_retention(Duration::from_millis(1500))
-                .expect("a retention"),
-        )
+        .layer(layer(&h, app.mode).with_retention(Duration::from_millis(1500)))
         .with_state(app.state.clone());
     for key in ["ret-1", "ret-2"] {
         park(&router, &app.state.provider, key).await;

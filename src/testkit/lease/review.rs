@@ -24,7 +24,6 @@ fn layer<DB: ConformanceDb>(h: &Harness<DB>, mode: LeaseMode) -> IdempotencyLaye
         .with_principal(bearer)
         .with_lease(mode)
         .with_in_flight_wait(WAIT)
-        .expect("a wait above zero")
 }
 
 /// Phase "created" (once), then 422 — on generation 1 only after a pause
@@ -303,8 +302,7 @@ pub async fn lease_phase_commit_renews_the_lease_from_commit_time<DB: Conformanc
             IdempotencyLayer::new(h.pool.clone())
                 .with_principal(bearer)
                 .with_lease(mode)
-                .with_in_flight_wait(Duration::from_millis(200))
-                .expect("a wait above zero"),
+                .with_in_flight_wait(Duration::from_millis(200)),
         );
     let first = {
         let app = app.clone();
