@@ -48,6 +48,12 @@ type Slot<DB> = Arc<Mutex<Option<Claimed<DB>>>>;
 
 /// A handle to the transaction that holds this request's idempotency claim.
 /// Cheap to clone.
+///
+/// In axum, take it as a handler argument (`tx: Tx<Postgres>`); that needs
+/// the crate's `axum` feature (on by default). Without it, axum's error is
+/// only `Handler<_, _> is not satisfied`, naming no feature. Under plain
+/// tower, hyper or tonic (no feature needed), the handler finds it in the
+/// request's extensions: `req.extensions().get::<Tx<DB>>()`.
 pub struct Tx<DB: Database> {
     slot: Slot<DB>,
 }
@@ -154,6 +160,7 @@ mod axum_impl {
     use http::StatusCode;
     use http::request::Parts;
 
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
     impl<S, DB> FromRequestParts<S> for Tx<DB>
     where
         S: Send + Sync,
@@ -172,6 +179,7 @@ mod axum_impl {
 
     /// `Option<Tx<DB>>`: `None` where the layer did not claim (an unguarded
     /// method, or no key with keys optional), so one handler can serve both.
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
     impl<S, DB> OptionalFromRequestParts<S> for Tx<DB>
     where
         S: Send + Sync,
@@ -189,6 +197,7 @@ mod axum_impl {
 
     /// Answers `500` with the reason as plain text: each case is a server
     /// misconfiguration or bug, never the client's fault.
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
     impl IntoResponse for TxError {
         fn into_response(self) -> Response {
             (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()

@@ -8,8 +8,9 @@ use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
 use super::claimed::{CloseOnCancel, Ending};
-use super::lease::{Args, Dialect, x_literal};
+use super::lease::{Args, Dialect};
 use super::literal::hex;
+use super::literal::x_literal;
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
     LeaseWrite, Migration, RecordStatus, Savepoint, Scope, StoreErrorKind, generic_error_kind,
@@ -98,6 +99,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     6 => "0006_operator_audit",
 );
 
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 impl Backend for MySql {
     const CLAIMS_RUN_WITHOUT_AUTOCOMMIT: bool = true;
 
