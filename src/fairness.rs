@@ -104,7 +104,8 @@ impl PrincipalSlots {
         self.capacity
     }
 
-    /// How many requests wait for a turn now.
+    /// How many requests wait for a turn now (for tests).
+    #[cfg(any(test, feature = "testkit"))]
     pub(crate) fn waiting(&self) -> usize {
         self.lock().queue.len()
     }

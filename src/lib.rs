@@ -292,6 +292,14 @@
 //!   Structured Field String (`"…"`) so servers in either [`KeyMode`]
 //!   accept it.
 //!
+//! # Feature flags
+//!
+//! Every sqlx 0.9 release is supported (the one this crate re-exports as
+//! [`sqlx`], and the application's own `sqlx = "0.9"`: one and
+//! the same); the minimum Rust version is 1.94, sqlx 0.9's own.
+//!
+#![doc = include_str!("../docs/features.md")]
+//!
 //! # Guides
 //!
 //! The repository's `docs/` holds a guide per topic: `choices.md` (what a
@@ -301,6 +309,7 @@
 //! (PgBouncer, failover, Galera), `performance.md`, `testing.md` and
 //! `upgrading.md`; the README links them all.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unreachable_pub, unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations)]
 
@@ -308,6 +317,7 @@ pub mod admin;
 mod body;
 mod classify;
 #[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
 mod config;
 mod config_error;
@@ -329,6 +339,7 @@ mod path;
 mod policy;
 pub mod problem;
 #[cfg(feature = "grpc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
 pub mod protobuf;
 mod random;
 mod reconcile;
@@ -337,6 +348,7 @@ mod scope;
 mod service;
 pub mod store;
 #[cfg(feature = "testkit")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;
 mod tx;
 
@@ -363,3 +375,89 @@ pub use tx::{Tx, TxError, TxGuard};
 
 /// The `sqlx` this crate is built on; its types appear in the public API.
 pub use sqlx;
+
+#[cfg(test)]
+mod feature_table {
+    //! The feature table (docs/features.md, included in the crate docs) and
+    //! the README's copy of it name exactly the features `Cargo.toml` has.
+
+    const TABLE: &str = include_str!("../docs/features.md");
+
+    /// The features `Cargo.toml` declares, `default` aside.
+    fn declared() -> Vec<String> {
+        let manifest = include_str!("../Cargo.toml");
+        let section = manifest
+            .split("\n[features]\n")
+            .nth(1)
+            .and_then(|rest| rest.split("\n[").next())
+            .unwrap_or_default();
+        let mut names: Vec<String> = section
+            .lines()
+            .filter_map(|line| line.split_once(" = "))
+            .map(|(name, _)| name.trim().to_string())
+            .filter(|name| !name.starts_with('#') && name != "default")
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The features in `Cargo.toml`'s `default` list.
+    fn default_on() -> Vec<String> {
+        let manifest = include_str!("../Cargo.toml");
+        let list = manifest
+            .split("\ndefault = [")
+            .nth(1)
+            .and_then(|rest| rest.split(']').next())
+            .unwrap_or_default();
+        let mut names: Vec<String> = list
+            .split(',')
+            .map(|name| name.trim().trim_matches('"').to_string())
+            .filter(|name| !name.is_empty())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The features the table has a row for, each with its "default"
+    /// column.
+    fn tabled() -> Vec<(String, String)> {
+        let mut rows: Vec<(String, String)> = TABLE
+            .lines()
+            .filter_map(|line| line.strip_prefix("| `"))
+            .filter_map(|rest| rest.split_once("` | "))
+            .filter_map(|(name, rest)| {
+                let default = rest.split_once(" |")?.0;
+                Some((name.to_string(), default.to_string()))
+            })
+            .collect();
+        rows.sort();
+        rows
+    }
+
+    #[test]
+    fn every_feature_has_one_row_and_every_row_a_feature() {
+        let declared = declared();
+        assert!(declared.contains(&"postgres".to_string()), "{declared:?}");
+        let rows = tabled();
+        let names: Vec<String> = rows.iter().map(|(name, _)| name.clone()).collect();
+        assert_eq!(names, declared);
+        let on: Vec<String> = rows
+            .iter()
+            .filter(|(_, default)| default == "yes")
+            .map(|(name, _)| name.clone())
+            .collect();
+        assert_eq!(on, default_on(), "the \"default\" column");
+        assert!(
+            rows.iter().all(|(_, d)| d == "yes" || d == "no"),
+            "{rows:?}"
+        );
+    }
+
+    #[test]
+    fn the_readme_carries_the_same_table() {
+        assert!(
+            include_str!("../README.md").contains(TABLE),
+            "README.md's \"Features\" section differs from docs/features.md"
+        );
+    }
+}

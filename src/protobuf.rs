@@ -65,6 +65,7 @@ pub(crate) fn decode<M: prost::Message + Default>(body: &[u8]) -> Result<M, Fing
         .map_err(|e| FingerprintError::new(format!("the request message does not decode: {e}")))
 }
 
+#[cfg_attr(docsrs, doc(cfg(feature = "grpc")))]
 impl Normalizer {
     /// A unary gRPC request's message, decoded into `M` and hashed in
     /// prost's encoding of it (feature `grpc`): two encodings of one value

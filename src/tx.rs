@@ -21,6 +21,11 @@ type Slot<DB> = Arc<Mutex<Option<Claimed<DB>>>>;
 /// commit together or not at all. The layer commits or rolls back after the
 /// handler has answered; the handler never does.
 ///
+/// Taking it as an axum handler argument (`tx: Tx<Postgres>`) needs the
+/// crate's `axum` feature (on by default): without it, axum's error is only
+/// `Handler<_, _> is not satisfied`, naming no feature. Under plain tower,
+/// hyper or tonic no feature is needed.
+///
 /// # Rules
 ///
 /// - **Lock, work, drop the guard before returning.** [`Tx::lock`] gives a
@@ -229,6 +234,7 @@ mod axum_impl {
     use axum::response::{IntoResponse, Response};
     use http::request::Parts;
 
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
     impl<S, DB> FromRequestParts<S> for Tx<DB>
     where
         S: Send + Sync,
@@ -247,6 +253,7 @@ mod axum_impl {
 
     /// `Option<Tx<DB>>`: `None` where the layer did not claim (an unguarded
     /// method, or no key with keys optional), so one handler can serve both.
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
     impl<S, DB> OptionalFromRequestParts<S> for Tx<DB>
     where
         S: Send + Sync,
@@ -265,6 +272,7 @@ mod axum_impl {
     /// Answers `500` problem+json (`#transaction-missing`,
     /// `#transaction-busy`, `#transaction-finished`, not retryable): each
     /// case is a server misconfiguration or bug, never the client's fault.
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
     impl IntoResponse for TxError {
         fn into_response(self) -> Response {
             self.problem().into_axum()

@@ -70,6 +70,7 @@ use sqlx::Pool;
 pub use audit::{Attribution, AttributionError, AuditEntry, MAX_ACTOR_LEN, MAX_REASON_LEN};
 pub use record::{LedgerRow, Lookup, Seen};
 #[cfg(feature = "admin")]
+#[cfg_attr(docsrs, doc(cfg(feature = "admin")))]
 pub use router::{Actor, MAX_FORM_BYTES, router};
 pub use status::{DiskSize, LedgerStatus, StatusCount, SweepPreview};
 

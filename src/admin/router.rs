@@ -20,6 +20,7 @@ use crate::{Resolution, ResolveError};
 
 /// The largest request body the console reads (a resolution with its
 /// answer): 64 KiB. Larger ones are answered `413`.
+#[cfg_attr(docsrs, doc(cfg(feature = "admin")))]
 pub const MAX_FORM_BYTES: usize = 64 * 1024;
 
 /// How many records the console lists by default.
@@ -31,6 +32,7 @@ const DEFAULT_LIST: u32 = 100;
 /// then asks for it; the field is the operator's word, not a proof, and is
 /// checked as [`Attribution::new`] checks it).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(docsrs, doc(cfg(feature = "admin")))]
 pub struct Actor(pub String);
 
 /// The operators' console for `ledger`, to be nested under a path of the
@@ -107,6 +109,7 @@ pub struct Actor(pub String);
 /// [`MAX_LIST`](super::MAX_LIST). Every value from the ledger is
 /// HTML-escaped in the pages. Store errors are answered `503` with a
 /// one-line reason, never a panic.
+#[cfg_attr(docsrs, doc(cfg(feature = "admin")))]
 pub fn router<DB: AdminBackend>(ledger: Ledger<DB>) -> Router {
     Router::new()
         .route("/", get(page_list::<DB>))

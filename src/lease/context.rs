@@ -420,6 +420,7 @@ impl<DB: Backend> DerefMut for Phase<DB> {
 }
 
 #[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 impl<DB: Backend, S: Send + Sync> axum::extract::FromRequestParts<S> for Leased<DB> {
     type Rejection = (http::StatusCode, &'static str);
 

@@ -397,6 +397,7 @@ impl From<sqlx::Error> for LeaseError {
 }
 
 #[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 impl axum::response::IntoResponse for LeaseError {
     /// The problem document for the error (`409 #lease-lost`, `503
     /// #reconciling`, `500 #lease-misuse` for a misuse or an invalid name,

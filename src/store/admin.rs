@@ -236,13 +236,15 @@ where
 /// Stamps out [`AdminBackend`] for a backend: `$begin` opens the verdict's
 /// transaction, `$lock` is appended to the read that locks the row,
 /// `$bound` bounds a statement's lock wait, `$size` reads the size on
-/// disk.
+/// disk; `$feature` is the Cargo feature the backend comes with (shown
+/// on docs.rs).
 macro_rules! admin_backend {
-    ($db:ty, $dialect:expr, $stmt:path, begin = $begin:expr, lock = $lock:expr,
-     bound = $bound:expr, size = $size:expr $(,)?) => {
+    ($db:ty, feature = $feature:literal, $dialect:expr, $stmt:path, begin = $begin:expr,
+     lock = $lock:expr, bound = $bound:expr, size = $size:expr $(,)?) => {
         impl sealed::Sealed for $db {}
 
         #[allow(private_interfaces)]
+        #[cfg_attr(docsrs, doc(cfg(feature = $feature)))]
         impl AdminBackend for $db {
             async fn audited_verdict(
                 pool: &Pool<Self>,
@@ -410,6 +412,7 @@ macro_rules! admin_backend {
 #[cfg(feature = "postgres")]
 admin_backend!(
     sqlx::Postgres,
+    feature = "postgres",
     super::postgres::DIALECT,
     super::postgres::stmt,
     // SET LOCAL ends with the verdict's transaction.
@@ -427,6 +430,7 @@ admin_backend!(
 #[cfg(feature = "sqlite")]
 admin_backend!(
     sqlx::Sqlite,
+    feature = "sqlite",
     super::sqlite::DIALECT,
     super::sqlite::stmt,
     // The write lock up front: one writer, and the row cannot change
@@ -444,6 +448,7 @@ admin_backend!(
 #[cfg(feature = "mysql")]
 admin_backend!(
     sqlx::MySql,
+    feature = "mysql",
     super::mysql::DIALECT,
     super::mysql::stmt,
     begin = "START TRANSACTION",

@@ -49,11 +49,13 @@ pub struct Claimed<DB: Database> {
     /// claim read it (PostgreSQL): what a lost `COMMIT` is asked about, and
     /// what proves at recording time that the transaction is still the one
     /// the claim began.
+    #[cfg(feature = "postgres")]
     pub(crate) xid: Option<i64>,
     /// The schema of the ledger table the claim read, quoted, where the
     /// store tells it (PostgreSQL): the row written after the handler ran
     /// goes there, whatever the handler did to the transaction's
     /// `search_path`.
+    #[cfg(feature = "postgres")]
     pub(crate) ledger_schema: Option<String>,
 }
 
@@ -63,7 +65,9 @@ impl<DB: Database> std::fmt::Debug for Claimed<DB> {
     }
 }
 
-/// Rolls back sqlx's transaction (the default [`EndFn`]).
+/// Rolls back sqlx's transaction (the default [`EndFn`]; MySQL has its
+/// own, which also puts back the claim's session changes).
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn rollback<DB: Database>(conn: &mut PoolConnection<DB>) -> Ending<'_> {
     Box::pin(<DB::TransactionManager as TransactionManager>::rollback(
         &mut **conn,
@@ -95,7 +99,9 @@ impl<DB: Database> Claimed<DB> {
             Ok(()) => Ok(Self {
                 conn: Some(conn),
                 end,
+                #[cfg(feature = "postgres")]
                 xid: None,
+                #[cfg(feature = "postgres")]
                 ledger_schema: None,
             }),
             Err(e) => Err((e, conn)),

@@ -6,13 +6,14 @@
 //! generation the writer holds, so a write from an owner that lost the row
 //! to a takeover matches nothing, in the same statement as the write.
 
-use super::literal::hex;
 use super::{Claim, Completion, RecordStatus, Scope};
 
 /// A value a statement binds to one of its placeholders.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Arg {
-    /// A binary value.
+    /// A binary value. (Only PostgreSQL binds values; the other backends
+    /// write them as literals and their `Args` stay empty.)
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     Bytes(Vec<u8>),
 }
 
@@ -21,6 +22,7 @@ pub(crate) enum Arg {
 pub(crate) type Args = Vec<Arg>;
 
 /// Binds `arg` as the next PostgreSQL placeholder (`$1`, `$2`, …).
+#[cfg(feature = "postgres")]
 pub(crate) fn numbered(args: &mut Args, arg: Arg) -> String {
     args.push(arg);
     format!("${}", args.len())
@@ -576,8 +578,3 @@ macro_rules! count_unresolved {
     };
 }
 pub(crate) use count_unresolved;
-
-/// Hex literal for SQLite and MySQL binary values.
-pub(crate) fn x_literal(value: &[u8]) -> String {
-    format!("X'{}'", hex(value))
-}

@@ -14,6 +14,12 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     out
 }
 
+/// Hex literal for SQLite and MySQL binary values (`X'…'`).
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub(crate) fn x_literal(value: &[u8]) -> String {
+    format!("X'{}'", hex(value))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -8,8 +8,9 @@ use sqlx::{AssertSqlSafe, Pool, Row, SqlSafeStr};
 use sqlx_core::transaction::TransactionManager;
 
 use super::claimed::{CloseOnCancel, Ending};
-use super::lease::{Args, Dialect, x_literal};
+use super::lease::{Args, Dialect};
 use super::literal::hex;
+use super::literal::x_literal;
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
     LeaseWrite, Migration, RecordStatus, Savepoint, Scope, StoreErrorKind, generic_error_kind,
@@ -118,6 +119,7 @@ fn in_ledger(sql: &str, database: Option<&str>) -> String {
         )
 }
 
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 impl Backend for MySql {
     const CLAIMS_RUN_WITHOUT_AUTOCOMMIT: bool = true;
 

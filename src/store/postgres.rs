@@ -75,6 +75,7 @@ fn record(schema: Option<&str>) -> String {
     )
 }
 
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 impl Backend for Postgres {
     const UNNAMED_IN_TRANSACTIONS: bool = true;
 

@@ -5,7 +5,8 @@ use sqlx::sqlite::Sqlite;
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr};
 
 use super::claimed::rollback;
-use super::lease::{Args, Dialect, commit_if_written, x_literal};
+use super::lease::{Args, Dialect, commit_if_written};
+use super::literal::x_literal;
 use super::{
     Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
     LeaseWrite, Migration, Savepoint, Scope, StoreErrorKind, generic_error_kind, migrations,
@@ -29,6 +30,7 @@ const MIGRATIONS: &[Migration] = migrations!(
     6 => "0006_operator_audit",
 );
 
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 impl Backend for Sqlite {
     const ONE_WRITER: bool = true;
 

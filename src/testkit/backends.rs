@@ -1,5 +1,12 @@
 //! The built-in backends' conformance hooks: one database per case.
 
+// With no built-in backend (the kit for a backend of your own), the helpers
+// the built-in hooks share have no user.
+#![cfg_attr(
+    not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
+    allow(dead_code, unused_imports, unused_macros)
+)]
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -238,6 +245,7 @@ where
 /// statements), so the whole suite also runs through PgBouncer in
 /// transaction pooling mode, whatever its version.
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 impl ConformanceDb for sqlx::Postgres {
     const LABEL: &'static str = "postgres";
 
@@ -360,6 +368,7 @@ impl ConformanceDb for sqlx::Postgres {
 }
 
 #[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 impl ConformanceDb for sqlx::Sqlite {
     simple_queries!("SELECT qty FROM stock WHERE sku = $1");
     order_statements!();
@@ -434,6 +443,7 @@ CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, principal TEXT NOT NU
 CREATE TABLE stock (sku VARCHAR(64) PRIMARY KEY, qty BIGINT NOT NULL) ENGINE = InnoDB;";
 
 #[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 impl ConformanceDb for sqlx::MySql {
     simple_queries!("SELECT qty FROM stock WHERE sku = ?");
 

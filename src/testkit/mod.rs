@@ -762,6 +762,7 @@ pub async fn send(app: &Router, req: Request<axum::body::Body>) -> Answer {
 /// each case first calls the plain function `f()` (to start a proxy, say,
 /// and point the backend at it with [`use_postgres_url`]).
 #[macro_export]
+#[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 macro_rules! conformance_suite {
     ($name:ident, $db:ty) => {
         $crate::conformance_suite!($name, $db, setup = $crate::testkit::no_setup);
