@@ -438,9 +438,17 @@ impl Problem {
     /// answers it gives itself).
     #[cfg(feature = "axum")]
     pub(crate) fn into_axum(self) -> axum::response::Response {
-        let (mut parts, body) = self.into_response().into_parts();
-        parts.extensions.remove::<Document>();
+        let (parts, body) = self.into_standalone().into_parts();
         axum::response::Response::from_parts(parts, axum::body::Body::from(body))
+    }
+
+    /// The answer of a service other than the layer (the key-status
+    /// endpoint, a handler's error): the same document, without the
+    /// layer's private extension.
+    pub(crate) fn into_standalone(self) -> Response<Bytes> {
+        let mut res = self.into_response();
+        res.extensions_mut().remove::<Document>();
+        res
     }
 }
 
@@ -455,7 +463,12 @@ pub(crate) fn name_key<B>(
     let Some(Document(mut doc)) = res.extensions_mut().remove::<Document>() else {
         return res;
     };
-    let Some(key) = key else {
+    // Only the layer's own answers: never what a handler answered.
+    let own = matches!(
+        res.extensions().get::<crate::IdempotencyOutcome>(),
+        Some(crate::IdempotencyOutcome::Refused { .. } | crate::IdempotencyOutcome::Replayed)
+    );
+    let Some(key) = key.filter(|_| own) else {
         return res;
     };
     doc.insert("idempotency_key".into(), json!(key));
