@@ -222,3 +222,79 @@ impl std::error::Error for HandlerError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(e: impl Into<HandlerError>) -> (StatusCode, serde_json::Value, Option<String>) {
+        let res = e.into().into_response();
+        let status = res.status();
+        let retry_after = res
+            .headers()
+            .get(http::header::RETRY_AFTER)
+            .map(|v| v.to_str().unwrap().to_owned());
+        let body = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(http_body_util::BodyExt::collect(res.into_body()))
+            .unwrap()
+            .to_bytes();
+        (status, serde_json::from_slice(&body).unwrap(), retry_after)
+    }
+
+    #[test]
+    fn transient_database_errors_are_retryable_503s() {
+        let (status, doc, retry_after) = answer(sqlx::Error::PoolTimedOut);
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(doc["type"].as_str().unwrap().ends_with("#store-busy"));
+        assert_eq!(doc["retryable"], true);
+        assert_eq!(retry_after.as_deref(), Some("1"));
+        let lost = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        let (status, doc, _) = answer(sqlx::Error::Io(lost));
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            doc["type"]
+                .as_str()
+                .unwrap()
+                .ends_with("#store-unavailable")
+        );
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn a_unique_violation_is_final_and_its_text_stays_in_the_log() {
+        let err = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(async {
+                use sqlx::Connection;
+                let mut conn = sqlx::SqliteConnection::connect("sqlite::memory:")
+                    .await
+                    .unwrap();
+                sqlx::raw_sql(
+                    "CREATE TABLE t (secret_name TEXT PRIMARY KEY); INSERT INTO t VALUES ('x')",
+                )
+                .execute(&mut conn)
+                .await
+                .unwrap();
+                sqlx::query("INSERT INTO t VALUES ('x')")
+                    .execute(&mut conn)
+                    .await
+                    .unwrap_err()
+            });
+        let (status, doc, retry_after) = answer(err);
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(doc["type"].as_str().unwrap().ends_with("#database-error"));
+        assert_eq!(doc["retryable"], false);
+        assert_eq!(retry_after, None);
+        assert!(!doc.to_string().contains("secret_name"), "{doc}");
+    }
+
+    #[test]
+    fn a_response_of_your_own_is_answered_as_it_is() {
+        let err = HandlerError::from_response((StatusCode::PAYMENT_REQUIRED, "declined"));
+        assert_eq!(err.status(), StatusCode::PAYMENT_REQUIRED);
+        assert_eq!(err.into_response().status(), StatusCode::PAYMENT_REQUIRED);
+    }
+}

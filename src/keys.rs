@@ -117,7 +117,7 @@ impl<DB: Backend, B> Service<Request<B>> for KeyStatus<DB> {
         Box::pin(async move {
             let res = match this.answer(&parts).await {
                 Ok(res) => res,
-                Err(problem) => problem.into_response(),
+                Err(problem) => problem.into_standalone(),
             };
             // A recorded answer's trailers travel after its body, as on a
             // replay.

@@ -61,7 +61,9 @@
 //! ```
 //!
 //! With axum (feature `axum`), add `.layer(IdempotencyLayer::new(pool))` to a
-//! router and take the transaction with the [`Tx`] extractor.
+//! router and take the transaction with the [`Tx`] extractor; a handler
+//! returning `Result<_, HandlerError>` uses `?` on the lock and on sqlx alike
+//! (see [`Tx`] for the rules and an example).
 //!
 //! # The protocol
 //!
@@ -111,8 +113,11 @@
 //! requires, so the handler's parser and the fingerprint never disagree on
 //! what was asked. See [`Normalizer`].
 //!
-//! Every refusal is an RFC 9457 problem document; see [`problem`] for the
-//! `type` URIs. The layer never returns an error of its own: store failures
+//! Every refusal is an RFC 9457 problem document, with an `instance` URN
+//! (also in the layer's log line), `retryable`, the `idempotency_key` it is
+//! about and the IETF draft's section it rests on; see [`problem`] for the
+//! `type` URIs and members, and `docs/ietf-draft.md` for where the layer
+//! departs from the draft. The layer never returns an error of its own: store failures
 //! become `503` with `Retry-After`, and [`IdempotencyOutcome`] in the response
 //! extensions tells outer layers what happened.
 //!
@@ -188,7 +193,7 @@
 //!
 //! # What the handler must not do
 //!
-//! The layer commits or rolls back; the handler never does. A handler that
+//! The rules are on [`Tx`]. The layer commits or rolls back; the handler never does. A handler that
 //! runs `COMMIT` or `ROLLBACK` on the [`Tx`], or DDL that commits implicitly
 //! (MySQL), is detected at no extra round trip (the claim's savepoint is
 //! gone when the layer records or rolls back): the request is answered

@@ -28,6 +28,32 @@
 //! | [`Reconciling`](ProblemKind::Reconciling) | 503 + `Retry-After` | `#reconciling` | the outcome of the first request with this key is unknown; it is never executed again automatically, and an operator resolves it (see [`Reconciler`](crate::Reconciler)) |
 //! | [`LeaseMisuse`](ProblemKind::LeaseMisuse) | 500 | `#lease-misuse` | lease mode: the handler misused it (a step or point name the ledger cannot hold, a second final phase); a programming error, never retried by itself; the key stays claimable, so a fixed deployment serves the retry |
 //! | [`LeaseLost`](ProblemKind::LeaseLost) | 409 + `Retry-After` | `#lease-lost` | lease mode: this attempt ran past its lease and a later attempt took the key over; nothing this attempt wrote after that was kept, and the retry gets the later attempt's answer |
+//! | [`TransactionMissing`](ProblemKind::TransactionMissing) | 500 | `#transaction-missing` | a handler took [`Tx`](crate::Tx) where the layer claimed nothing (a route added after `.layer(…)`, an unguarded method); the handler's answer ([`TxError`](crate::TxError)) |
+//! | [`TransactionBusy`](ProblemKind::TransactionBusy) | 500 | `#transaction-busy` | a handler locked [`Tx`](crate::Tx) twice at once; rolled back |
+//! | [`TransactionFinished`](ProblemKind::TransactionFinished) | 500 | `#transaction-finished` | a handler locked [`Tx`](crate::Tx) after the layer took the transaction back |
+//! | [`DatabaseError`](ProblemKind::DatabaseError) | 500 | `#database-error` | a handler's statement failed ([`HandlerError`](crate::HandlerError) from a `sqlx::Error` that is not transient; a transient one answers `#store-busy`, `#store-unavailable` or `#transaction-conflict`); rolled back, the database's message logged, never sent |
+//!
+//! # Members
+//!
+//! Every document carries, besides `type`, `title`, `status` and `detail`:
+//!
+//! - `instance`: `urn:uuid:…`, new for every answer, and written in the
+//!   layer's `tracing` event for that answer (`idempotency problem
+//!   answered`, INFO for a 4xx, WARN for a 5xx, with `problem` and
+//!   `status`), so an operator finds the line a client quotes;
+//! - `retryable`: whether the same request with the same key may be sent
+//!   again as it is ([`ProblemKind::retryable`]);
+//! - `idempotency_key`: the request's key as the client sent it (unquoted,
+//!   never the stored form), in the layer's own answers once a valid key
+//!   was read. A missing key has none, and a malformed one (or a header and
+//!   a body field that disagree) is never echoed. A handler's errors do not
+//!   name it;
+//! - `spec`: the section of the IETF draft the refusal rests on, for those
+//!   that rest on one ([`ProblemKind::draft_section`]): `#section-2.1` for a
+//!   missing or malformed key, `#section-2.2` for a reused one,
+//!   `#section-2.3` for an expired one, `#section-2.6` for one in flight.
+//!
+//! `docs/ietf-draft.md` lists where the layer departs from the draft.
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
@@ -412,9 +438,17 @@ impl Problem {
     /// answers it gives itself).
     #[cfg(feature = "axum")]
     pub(crate) fn into_axum(self) -> axum::response::Response {
-        let (mut parts, body) = self.into_response().into_parts();
-        parts.extensions.remove::<Document>();
+        let (parts, body) = self.into_standalone().into_parts();
         axum::response::Response::from_parts(parts, axum::body::Body::from(body))
+    }
+
+    /// The answer of a service other than the layer (the key-status
+    /// endpoint, a handler's error): the same document, without the
+    /// layer's private extension.
+    pub(crate) fn into_standalone(self) -> Response<Bytes> {
+        let mut res = self.into_response();
+        res.extensions_mut().remove::<Document>();
+        res
     }
 }
 
@@ -429,7 +463,12 @@ pub(crate) fn name_key<B>(
     let Some(Document(mut doc)) = res.extensions_mut().remove::<Document>() else {
         return res;
     };
-    let Some(key) = key else {
+    // Only the layer's own answers: never what a handler answered.
+    let own = matches!(
+        res.extensions().get::<crate::IdempotencyOutcome>(),
+        Some(crate::IdempotencyOutcome::Refused { .. } | crate::IdempotencyOutcome::Replayed)
+    );
+    let Some(key) = key.filter(|_| own) else {
         return res;
     };
     doc.insert("idempotency_key".into(), json!(key));

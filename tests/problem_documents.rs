@@ -337,3 +337,29 @@ fn futures_executor(body: Body) -> bytes::Bytes {
         .unwrap()
         .to_bytes()
 }
+
+/// PostgreSQL reads a unique violation (23505) on the ledger as a lost race
+/// (retryable); in a handler it is a business conflict: final, `500`.
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn a_handlers_unique_violation_on_postgres_is_final() {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/test")
+        .await
+        .unwrap();
+    sqlx::raw_sql("CREATE TEMP TABLE emails (address TEXT PRIMARY KEY); INSERT INTO emails VALUES ('a@example.test')")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let err = sqlx::query("INSERT INTO emails VALUES ('a@example.test')")
+        .execute(&mut conn)
+        .await
+        .unwrap_err();
+    let res = HandlerError::from(err).into_response();
+    assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let bytes = res.into_body().collect().await.unwrap().to_bytes();
+    let doc: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(slug(&doc), "database-error");
+    assert_eq!(doc["retryable"], false);
+    assert!(!doc.to_string().contains("a@example.test"), "{doc}");
+}
