@@ -75,6 +75,30 @@ fn record(schema: Option<&str>) -> String {
     )
 }
 
+/// The one ledger row of the claim-at-commit mode, prepared, written
+/// just before the `COMMIT` into the ledger the transaction finds: quietly
+/// (`ON CONFLICT DO NOTHING`: a row of another request makes it write
+/// nothing, with no error in the server's log), only inside a transaction
+/// that has an id (the claimed one was given one with its `BEGIN`; a
+/// statement of its own after a handler's `COMMIT` or `ROLLBACK` has none
+/// when it starts), and with the wait on another request's uncommitted row
+/// bounded by `lock_timeout` (`$11`), set for the rest of this transaction
+/// alone. Returns the expiry and the transaction's id (what a lost `COMMIT`
+/// is asked about).
+const RECORD_AT_COMMIT: &str = concat!(
+    "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
+     status, response_status, response_headers, response_body, resource_id, created_at, \
+     expires_at) SELECT convert_from($1, 'UTF8'), convert_from($2, 'UTF8'), \
+     convert_from($3, 'UTF8'), $4, $5, $6, $7, $8, convert_from($9, 'UTF8'), ",
+    now_ms!(),
+    ", ",
+    now_ms!(),
+    " + $10 WHERE txid_current_if_assigned() IS NOT NULL \
+     AND (SELECT set_config('lock_timeout', $11, true)) IS NOT NULL \
+     ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
+     RETURNING expires_at, txid_current()"
+);
+
 impl Backend for Postgres {
     const UNNAMED_IN_TRANSACTIONS: bool = true;
 
@@ -280,6 +304,93 @@ impl Backend for Postgres {
         match tx.commit().await {
             Ok(()) => Ok(expires_at),
             Err(e) => lost_commit(pool, xid, expires_at, e).await,
+        }
+    }
+
+    async fn begin_at_commit(
+        conn: PoolConnection<Self>,
+        claim: &Claim<'_>,
+    ) -> Result<Claimed<Self>, sqlx::Error> {
+        // One round trip, the transaction's start (sqlx counts it): the
+        // level, an id for the transaction (so that the row written at its
+        // end can tell it is still in it), the savepoint.
+        let begin = format!(
+            "BEGIN ISOLATION LEVEL {}; SELECT txid_current(); {}",
+            claim.isolation.as_sql(),
+            Savepoint::get().take
+        );
+        match Claimed::begin(conn, AssertSqlSafe(begin).into_sql_str(), rollback).await {
+            Ok(tx) => Ok(tx),
+            Err((e, mut conn)) => {
+                // The batch may have left the server inside its `BEGIN`.
+                conn.close_on_drop();
+                Err(e)
+            }
+        }
+    }
+
+    async fn finish_at_commit(
+        pool: &Pool<Self>,
+        mut tx: Claimed<Self>,
+        claim: &Claim<'_>,
+        c: &Completion<'_>,
+    ) -> Result<Option<i64>, FinishError> {
+        if c.status == RecordStatus::FailedFinal
+            && let Err(e) = Self::check_savepoint(&mut tx).await
+        {
+            tx.discard();
+            return Err(ended_or_store(e));
+        }
+        let wait = format!(
+            "{}ms",
+            claim.lock_wait.as_millis().clamp(1, i32::MAX as u128)
+        );
+        let inserted: Result<Option<(i64, i64)>, _> = sqlx::query_as(RECORD_AT_COMMIT)
+            .persistent(claim.cached_statements)
+            .bind(utf8(claim.scope.principal))
+            .bind(utf8(claim.scope.operation))
+            .bind(utf8(claim.scope.key))
+            .bind(claim.fingerprint)
+            .bind(c.status.as_str())
+            .bind(c.response_status)
+            .bind(c.response_headers)
+            .bind(c.response_body)
+            .bind(c.resource_id.map(str::as_bytes))
+            .bind(claim.retention_ms)
+            .bind(wait)
+            .fetch_optional(&mut *tx)
+            .await;
+        let (expires_at, xid) = match inserted {
+            Ok(Some(row)) => row,
+            Ok(None) => {
+                // Nothing written: a row of another request holds the scope,
+                // or the handler ended the transaction (the savepoint says
+                // which).
+                return match Self::check_savepoint(&mut tx).await {
+                    Ok(()) => {
+                        tx.rollback().await;
+                        Ok(None)
+                    }
+                    Err(e) => {
+                        tx.discard();
+                        Err(ended_or_store(e))
+                    }
+                };
+            }
+            Err(e) => {
+                // A server's refusal (the lock wait's bound, a
+                // serialization failure) leaves the connection sound.
+                if e.as_database_error().is_some() {
+                    tx.rollback().await;
+                } else {
+                    tx.discard();
+                }
+                return Err(e.into());
+            }
+        };
+        match tx.commit().await {
+            Ok(()) => Ok(Some(expires_at)),
+            Err(e) => lost_commit(pool, xid, expires_at, e).await.map(Some),
         }
     }
 
@@ -492,6 +603,16 @@ async fn lost_commit(
         XactStatus::InProgress => Err(FinishError::InProgress(e)),
         // Too old to be known, or no answer: the layer reads the ledger.
         XactStatus::Unknown => Err(FinishError::Store(e)),
+    }
+}
+
+/// A failed check of the claimed transaction's savepoint: the handler
+/// ended it ([`FinishError::Ended`]), or the store failed.
+fn ended_or_store(e: sqlx::Error) -> FinishError {
+    if Postgres::error_kind(&e) == StoreErrorKind::TransactionEnded {
+        FinishError::Ended(e)
+    } else {
+        FinishError::Store(e)
     }
 }
 

@@ -1023,10 +1023,14 @@ pub async fn literal_hash_principal_never_meets_a_long_one<DB: ConformanceDb>(h:
 async fn pay<DB: ConformanceDb>(
     State(st): State<super::AppState<DB>>,
     tx: crate::Tx<DB>,
+    ran: Option<axum::Extension<super::Ran>>,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
     st.executions
         .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    if let Some(axum::Extension(ran)) = ran {
+        ran.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
     let mut conn = tx.lock().unwrap();
     let id = DB::insert_order(&mut conn, "payer", 1).await.unwrap();
     (StatusCode::CREATED, format!("{{\"paymentId\":{id}}}")).into_response()
@@ -1048,11 +1052,14 @@ pub async fn path_spellings_are_one_operation<DB: ConformanceDb>(h: Harness<DB>)
     let routes = axum::Router::new()
         .route("/orders/{id}/pay", post(pay::<DB>))
         .with_state(state);
-    let outside = axum::Router::new().fallback_service(
-        tower::ServiceBuilder::new()
-            .layer(h.layer())
-            .service(routes),
+    let outside = h.judged(
+        axum::Router::new().fallback_service(
+            tower::ServiceBuilder::new()
+                .layer(h.layer())
+                .service(routes),
+        ),
     );
+    let inside = h.judged(inside);
     let request = |path: &str, key: &str| {
         let mut req = order(ALICE, Some(key), "{}");
         *req.uri_mut() = path.parse().unwrap();
