@@ -673,6 +673,18 @@ mod tests {
             }
         ));
         assert!(layer().with_claim_retries(3, Duration::MAX).is_err());
+        // The claim-at-commit mode cannot run in lease mode.
+        assert_eq!(
+            layer()
+                .with_lease(LeaseMode::default())
+                .with_claim_at_commit()
+                .unwrap_err(),
+            ConfigError::ModeConflict {
+                asked: "claim at commit",
+                set: "lease mode"
+            }
+        );
+        assert!(layer().with_claim_at_commit().is_ok());
         // The defaults: a quarter of the pool may wait, and the body's
         // representation headers are recorded.
         let l = layer();
