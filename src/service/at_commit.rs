@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use super::claim::{Claimed, MIN_READ_WAIT, Pending};
 use super::{Answer, Identity, Run, refusal, store_problem};
-use crate::store::{Backend, Claimed as ClaimedTx, Completion, FinishError, StoreErrorKind};
+use crate::store::{
+    AtCommitOutcome, Backend, Claimed as ClaimedTx, Completion, FinishError, StoreErrorKind,
+};
 
 /// What recording at commit came to.
 pub(super) enum AtCommit {
@@ -96,10 +98,16 @@ impl<DB: Backend> Run<DB> {
         let mut claim = self.ledger_claim(id);
         claim.lock_wait = self.commit_wait();
         let pending = match DB::finish_at_commit(&self.pool, tx, &claim, completion).await {
-            Ok(Some(expires_at)) => return AtCommit::Finished(Ok(expires_at)),
+            Ok(AtCommitOutcome::Committed(expires_at)) => {
+                return AtCommit::Finished(Ok(expires_at));
+            }
+            // A row committed before ours, read on the way.
+            Ok(AtCommitOutcome::Lost(Some(record))) => {
+                return AtCommit::Lost(self.judge(&record, id, 1));
+            }
             // A row committed before ours: read it (in a transaction of its
             // own, so a stricter level's snapshot never hides it).
-            Ok(None) => Pending::Unconfirmed,
+            Ok(AtCommitOutcome::Lost(None)) => Pending::Unconfirmed,
             // The other request's row is still uncommitted past the wait.
             Err(FinishError::Store(e)) if DB::error_kind(&e) == StoreErrorKind::LockTimeout => {
                 Pending::InFlight

@@ -24,8 +24,8 @@ use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
 use crate::store::{
-    Backend, Claim, Claimed, Completion, FinishError, OwnedClaim, Record, RecordStatus,
-    StoreErrorKind,
+    AtCommitOutcome, Backend, Claim, Claimed, Completion, FinishError, OwnedClaim, Record,
+    RecordStatus, StoreErrorKind,
 };
 use crate::tx::Tx;
 
@@ -256,8 +256,8 @@ impl<DB: Backend> Run<DB> {
                         let mut claim = claim.as_claim();
                         claim.lock_wait = wait;
                         match DB::finish_at_commit(&pool, tx, &claim, &completion).await {
-                            Ok(Some(expires_at)) => Ok(expires_at),
-                            Ok(None) => return Settled::RolledBack,
+                            Ok(AtCommitOutcome::Committed(expires_at)) => Ok(expires_at),
+                            Ok(AtCommitOutcome::Lost(_)) => return Settled::RolledBack,
                             Err(e) => Err(e),
                         }
                     }

@@ -200,6 +200,19 @@ pub enum ClaimOutcome<DB: Database> {
     InFlight,
 }
 
+/// What [`Backend::finish_at_commit`] came to.
+#[derive(Debug)]
+pub enum AtCommitOutcome {
+    /// The ledger row was written and committed: the key's `expires_at`
+    /// (epoch milliseconds, database clock).
+    Committed(i64),
+    /// Another request's row held the scope, and everything of this
+    /// transaction was rolled back. The row, when the insert read it on
+    /// its way (PostgreSQL, a row committed before the insert began);
+    /// `None`: read it, in a transaction of its own.
+    Lost(Option<Box<Record>>),
+}
+
 /// A database that can hold the ledger. Implemented for `sqlx::Postgres`,
 /// `sqlx::Sqlite` and `sqlx::MySql` behind their features.
 ///
@@ -324,11 +337,11 @@ pub trait Backend: Database {
     /// [`finish`](Backend::finish) does (for `FailedFinal`, after rolling
     /// back to the savepoint; a transaction the handler ended is
     /// [`FinishError::Ended`]), except that the ledger row is **inserted
-    /// here, under the unique constraint**: `Ok(Some(expires_at))` when it
-    /// was written and committed; `Ok(None)` when a row of another request
-    /// already held the scope (committed, or committed while this one
-    /// waited for it), and then the whole transaction, business writes
-    /// included, was rolled back. The insert is quiet where the store
+    /// here, under the unique constraint**: [`AtCommitOutcome::Committed`]
+    /// when it was written and committed; [`AtCommitOutcome::Lost`] when a
+    /// row of another request already held the scope (committed, or
+    /// committed while this one waited for it), and then the whole
+    /// transaction, business writes included, was rolled back. The insert is quiet where the store
     /// allows it (no server error for a lost race: PostgreSQL and SQLite
     /// `ON CONFLICT DO NOTHING`; MySQL/MariaDB, whose quiet forms are
     /// ambiguous or too broad, the driver's unique-violation signal, which
@@ -340,7 +353,7 @@ pub trait Backend: Database {
         tx: Claimed<Self>,
         claim: &Claim<'_>,
         completion: &Completion<'_>,
-    ) -> impl Future<Output = Result<Option<i64>, FinishError>> + Send;
+    ) -> impl Future<Output = Result<AtCommitOutcome, FinishError>> + Send;
 
     /// Rolls back to the claim's savepoint before the transaction is
     /// abandoned: an error of kind [`StoreErrorKind::TransactionEnded`]

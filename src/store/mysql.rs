@@ -11,9 +11,9 @@ use super::claimed::{CloseOnCancel, Ending};
 use super::lease::{Args, Dialect, x_literal};
 use super::literal::hex;
 use super::{
-    Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, RecordStatus, Savepoint, Scope, StoreErrorKind, generic_error_kind,
-    migrations, run_migrations, shared_statements,
+    AtCommitOutcome, Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError,
+    IsolationLevel, LeaseWrite, Migration, RecordStatus, Savepoint, Scope, StoreErrorKind,
+    generic_error_kind, migrations, run_migrations, shared_statements,
 };
 
 /// The caller's session settings that would change what a ledger
@@ -297,7 +297,7 @@ impl Backend for MySql {
         mut tx: Claimed<Self>,
         claim: &Claim<'_>,
         c: &Completion<'_>,
-    ) -> Result<Option<i64>, FinishError> {
+    ) -> Result<AtCommitOutcome, FinishError> {
         // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, insert the
         // scope's row (its lock wait bounded for the insert alone), take
@@ -323,11 +323,13 @@ impl Backend for MySql {
         if let Err(e) = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await {
             tx.rollback().await;
             return match e.as_database_error() {
-                Some(d) if d.is_unique_violation() => Ok(None),
+                Some(d) if d.is_unique_violation() => Ok(AtCommitOutcome::Lost(None)),
                 _ => Err(e.into()),
             };
         }
-        Self::finish(pool, tx, claim, c).await.map(Some)
+        Self::finish(pool, tx, claim, c)
+            .await
+            .map(AtCommitOutcome::Committed)
     }
 
     async fn check_savepoint(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {

@@ -9,8 +9,8 @@ use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr};
 use super::claimed::rollback;
 use super::lease::{Arg, Args, Dialect, numbered};
 use super::{
-    Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, Record, RecordStatus, Savepoint, Scope, StoreErrorKind,
+    AtCommitOutcome, Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError,
+    IsolationLevel, LeaseWrite, Migration, Record, RecordStatus, Savepoint, Scope, StoreErrorKind,
     generic_error_kind, migrations, record_from_row, run_migrations, shared_statements,
 };
 
@@ -84,19 +84,33 @@ fn record(schema: Option<&str>) -> String {
 /// when it starts), and with the wait on another request's uncommitted row
 /// bounded by `lock_timeout` (`$11`), set for the rest of this transaction
 /// alone. Returns the expiry and the transaction's id (what a lost `COMMIT`
-/// is asked about).
+/// is asked about) when it wrote the row; otherwise, in the same round
+/// trip, the scope's row as the statement's snapshot sees it (a row
+/// committed before the statement began: the replay a lost race is
+/// answered with, columns as `CLAIM_READ` reads them).
 const RECORD_AT_COMMIT: &str = concat!(
-    "INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
-     status, response_status, response_headers, response_body, resource_id, created_at, \
-     expires_at) SELECT convert_from($1, 'UTF8'), convert_from($2, 'UTF8'), \
-     convert_from($3, 'UTF8'), $4, $5, $6, $7, $8, convert_from($9, 'UTF8'), ",
+    "WITH ins AS (INSERT INTO idempotency_records (principal_id, operation, idem_key, \
+     request_fingerprint, status, response_status, response_headers, response_body, \
+     resource_id, created_at, expires_at) SELECT convert_from($1, 'UTF8'), \
+     convert_from($2, 'UTF8'), convert_from($3, 'UTF8'), $4, $5, $6, $7, $8, \
+     convert_from($9, 'UTF8'), ",
     now_ms!(),
     ", ",
     now_ms!(),
     " + $10 WHERE txid_current_if_assigned() IS NOT NULL \
      AND (SELECT set_config('lock_timeout', $11, true)) IS NOT NULL \
      ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
-     RETURNING expires_at, txid_current()"
+     RETURNING expires_at, txid_current() AS xid) \
+     SELECT ins.expires_at, ins.xid, r.status, r.request_fingerprint, r.response_status, \
+     r.response_headers, r.response_body, r.resource_id, r.expires_at, \
+     CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
+     CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
+     r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8 \
+     FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
+     LEFT JOIN ins ON true \
+     LEFT JOIN idempotency_records r ON ins.xid IS NULL \
+     AND r.principal_id = convert_from($1, 'UTF8') AND r.operation = convert_from($2, 'UTF8') \
+     AND r.idem_key = convert_from($3, 'UTF8')"
 );
 
 impl Backend for Postgres {
@@ -334,7 +348,7 @@ impl Backend for Postgres {
         mut tx: Claimed<Self>,
         claim: &Claim<'_>,
         c: &Completion<'_>,
-    ) -> Result<Option<i64>, FinishError> {
+    ) -> Result<AtCommitOutcome, FinishError> {
         if c.status == RecordStatus::FailedFinal
             && let Err(e) = Self::check_savepoint(&mut tx).await
         {
@@ -345,7 +359,7 @@ impl Backend for Postgres {
             "{}ms",
             claim.lock_wait.as_millis().clamp(1, i32::MAX as u128)
         );
-        let inserted: Result<Option<(i64, i64)>, _> = sqlx::query_as(RECORD_AT_COMMIT)
+        let written = sqlx::query(RECORD_AT_COMMIT)
             .persistent(claim.cached_statements)
             .bind(utf8(claim.scope.principal))
             .bind(utf8(claim.scope.operation))
@@ -358,18 +372,25 @@ impl Backend for Postgres {
             .bind(c.resource_id.map(str::as_bytes))
             .bind(claim.retention_ms)
             .bind(wait)
-            .fetch_optional(&mut *tx)
-            .await;
-        let (expires_at, xid) = match inserted {
-            Ok(Some(row)) => row,
-            Ok(None) => {
-                // Nothing written: a row of another request holds the scope,
-                // or the handler ended the transaction (the savepoint says
-                // which).
+            .fetch_one(&mut *tx)
+            .await
+            .and_then(|row| recorded_at_commit(&row));
+        let (expires_at, xid) = match written {
+            Ok(Written::Row(expires_at, xid)) => (expires_at, xid),
+            Ok(Written::Lost(record)) => {
+                // A committed row of another request: nothing of this
+                // transaction may commit.
+                tx.rollback().await;
+                return Ok(AtCommitOutcome::Lost(Some(record)));
+            }
+            Ok(Written::Nothing) => {
+                // Nothing written and no row seen: a row of another request
+                // committed while this one waited for it, or the handler
+                // ended the transaction (the savepoint says which).
                 return match Self::check_savepoint(&mut tx).await {
                     Ok(()) => {
                         tx.rollback().await;
-                        Ok(None)
+                        Ok(AtCommitOutcome::Lost(None))
                     }
                     Err(e) => {
                         tx.discard();
@@ -389,8 +410,10 @@ impl Backend for Postgres {
             }
         };
         match tx.commit().await {
-            Ok(()) => Ok(Some(expires_at)),
-            Err(e) => lost_commit(pool, xid, expires_at, e).await.map(Some),
+            Ok(()) => Ok(AtCommitOutcome::Committed(expires_at)),
+            Err(e) => lost_commit(pool, xid, expires_at, e)
+                .await
+                .map(AtCommitOutcome::Committed),
         }
     }
 
@@ -604,6 +627,47 @@ async fn lost_commit(
         // Too old to be known, or no answer: the layer reads the ledger.
         XactStatus::Unknown => Err(FinishError::Store(e)),
     }
+}
+
+/// What the row written at commit found.
+enum Written {
+    /// Written: its expiry and the transaction's id.
+    Row(i64, i64),
+    /// Not written: another request's row, committed before the statement.
+    Lost(Box<Record>),
+    /// Not written, and no row seen.
+    Nothing,
+}
+
+/// Reads [`RECORD_AT_COMMIT`]'s one row.
+fn recorded_at_commit(row: &sqlx::postgres::PgRow) -> Result<Written, sqlx::Error> {
+    if let (Some(expires_at), Some(xid)) = (
+        row.try_get::<Option<i64>, _>(0)?,
+        row.try_get::<Option<i64>, _>(1)?,
+    ) {
+        return Ok(Written::Row(expires_at, xid));
+    }
+    if row.try_get::<Option<String>, _>(2)?.is_none() {
+        return Ok(Written::Nothing);
+    }
+    let record = record_from_row((
+        row.try_get(2)?,
+        row.try_get(3)?,
+        row.try_get(4)?,
+        row.try_get(5)?,
+        row.try_get(6)?,
+        row.try_get(7)?,
+        row.try_get(8)?,
+        row.try_get(9)?,
+        row.try_get(10)?,
+        row.try_get(11)?,
+        row.try_get(12)?,
+        row.try_get(13)?,
+        row.try_get(14)?,
+        row.try_get(15)?,
+        row.try_get(16)?,
+    ))?;
+    Ok(Written::Lost(Box::new(record)))
 }
 
 /// A failed check of the claimed transaction's savepoint: the handler

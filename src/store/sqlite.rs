@@ -7,9 +7,9 @@ use sqlx::{AssertSqlSafe, Pool, SqlSafeStr};
 use super::claimed::rollback;
 use super::lease::{Args, Dialect, commit_if_written, x_literal};
 use super::{
-    Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, Savepoint, Scope, StoreErrorKind, generic_error_kind, migrations,
-    run_migrations, shared_statements,
+    AtCommitOutcome, Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError,
+    IsolationLevel, LeaseWrite, Migration, Savepoint, Scope, StoreErrorKind, generic_error_kind,
+    migrations, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
@@ -161,7 +161,7 @@ impl Backend for Sqlite {
         mut tx: Claimed<Self>,
         claim: &Claim<'_>,
         c: &Completion<'_>,
-    ) -> Result<Option<i64>, FinishError> {
+    ) -> Result<AtCommitOutcome, FinishError> {
         // (Undo the business writes,) prove the transaction is still ours,
         // then the one row, quietly: `RETURNING` gives nothing when a row
         // already holds the scope.
@@ -198,11 +198,11 @@ impl Backend for Sqlite {
         match recorded {
             Ok(Some(expires_at)) => {
                 tx.commit().await?;
-                Ok(Some(expires_at))
+                Ok(AtCommitOutcome::Committed(expires_at))
             }
             Ok(None) => {
                 tx.rollback().await;
-                Ok(None)
+                Ok(AtCommitOutcome::Lost(None))
             }
             Err(e) => {
                 tx.rollback().await;
