@@ -51,8 +51,8 @@ const CLAIM_READ: &str = "SELECT txid_current_if_assigned(), r.status, r.request
      ORDER BY pg_catalog.array_position(pg_catalog.current_schemas(false), s.nspname) LIMIT 1) \
      FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
      LEFT JOIN idempotency_records r \
-     ON r.principal_id = convert_from($1, 'UTF8') AND r.operation = convert_from($2, 'UTF8') \
-     AND r.idem_key = convert_from($3, 'UTF8')";
+     ON r.principal_id = convert_from($1, 'UTF8') COLLATE \"default\" AND r.operation = convert_from($2, 'UTF8') COLLATE \"default\" \
+     AND r.idem_key = convert_from($3, 'UTF8') COLLATE \"default\"";
 
 /// Waits for the scope's lock within a bound (ledger v8's function).
 const WAIT: &str = "SELECT tower_idempotency_wait($1, $2, $3)";
@@ -109,8 +109,8 @@ const RECORD_AT_COMMIT: &str = concat!(
      FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
      LEFT JOIN ins ON true \
      LEFT JOIN idempotency_records r ON ins.xid IS NULL \
-     AND r.principal_id = convert_from($1, 'UTF8') AND r.operation = convert_from($2, 'UTF8') \
-     AND r.idem_key = convert_from($3, 'UTF8')"
+     AND r.principal_id = convert_from($1, 'UTF8') COLLATE \"default\" AND r.operation = convert_from($2, 'UTF8') COLLATE \"default\" \
+     AND r.idem_key = convert_from($3, 'UTF8') COLLATE \"default\""
 );
 
 impl Backend for Postgres {
@@ -438,8 +438,8 @@ impl Backend for Postgres {
             " THEN 1::INT8 ELSE 0::INT8 END, \
              recovery_point, recovery_data, pending_step, claim_id, parks::INT8 \
              FROM idempotency_records \
-             WHERE principal_id = convert_from($1, 'UTF8') AND operation = convert_from($2, 'UTF8') \
-             AND idem_key = convert_from($3, 'UTF8')"
+             WHERE principal_id = convert_from($1, 'UTF8') COLLATE \"default\" AND operation = convert_from($2, 'UTF8') COLLATE \"default\" \
+             AND idem_key = convert_from($3, 'UTF8') COLLATE \"default\""
         ),
         mark = concat!(
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
@@ -683,7 +683,12 @@ fn ended_or_store(e: sqlx::Error) -> FinishError {
 /// A text value bound as its UTF-8 bytes, which the statement decodes
 /// (`convert_from($n, 'UTF8')`): the session's `client_encoding` (an
 /// application may set one sqlx cannot speak, such as `SJIS`) never
-/// converts, or refuses, a scope on its way to the ledger.
+/// converts, or refuses, a scope on its way to the ledger. Compared with a
+/// scope column, the decoded value is given the database's default
+/// collation (`COLLATE "default"`, the columns' own): `convert_from` takes
+/// the collation of its `name` argument (`C`), with which the ledger's
+/// unique index cannot serve the comparison and every lookup would read
+/// the whole ledger (`tests/pg_scope_index.rs`).
 fn utf8(text: &str) -> &[u8] {
     text.as_bytes()
 }
@@ -762,13 +767,13 @@ async fn claim_read(
 pub(super) const DIALECT: Dialect = Dialect {
     key: |a, v| {
         format!(
-            "convert_from({}, 'UTF8')",
+            "convert_from({}, 'UTF8') COLLATE \"default\"",
             numbered(a, Arg::Bytes(v.into()))
         )
     },
     text: |a, v| {
         format!(
-            "convert_from({}, 'UTF8')",
+            "convert_from({}, 'UTF8') COLLATE \"default\"",
             numbered(a, Arg::Bytes(v.into()))
         )
     },
