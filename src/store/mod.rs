@@ -8,6 +8,12 @@
 //! the read, and writes its one row before the `COMMIT`, where the unique
 //! key still refuses a second row (nothing of that transaction commits).
 //!
+//! In the claim-at-commit mode (`IdempotencyLayer::with_claim_at_commit`)
+//! nothing is held before the handler: [`Backend::begin_at_commit`] begins
+//! the transaction as a bare `BEGIN` would, and
+//! [`Backend::finish_at_commit`] inserts the one row under the unique key
+//! just before the `COMMIT`; a row already there rolls everything back.
+//!
 //! Built-in backends (each behind its cargo feature):
 //!
 //! | backend | claim | waiting on an in-flight duplicate |
