@@ -144,6 +144,9 @@ enum Route {
     /// Two prepared writes on a sqlx transaction: the `PROCESSING` row at
     /// the claim, updated before the `COMMIT`.
     TwoWrites,
+    /// The layer in the claim-at-commit mode (`with_claim_at_commit`): no
+    /// claim statement, one ledger row written before the `COMMIT`.
+    AtCommit,
 }
 
 fn app(pool: PgPool, route: Route) -> Router {
@@ -152,6 +155,17 @@ fn app(pool: PgPool, route: Route) -> Router {
             .route(
                 "/orders",
                 post(layered).layer(IdempotencyLayer::new(pool.clone())),
+            )
+            .layer(axum::middleware::from_fn(principal))
+            .with_state(pool),
+        Route::AtCommit => Router::new()
+            .route(
+                "/orders",
+                post(layered).layer(
+                    IdempotencyLayer::new(pool.clone())
+                        .with_claim_at_commit()
+                        .expect("not in lease mode"),
+                ),
             )
             .layer(axum::middleware::from_fn(principal))
             .with_state(pool),
@@ -543,13 +557,14 @@ async fn main() {
     .unwrap();
     setup.close().await;
 
-    // `TI_BENCH_PROFILE=layer|bare|two|v6 [TI_BENCH_SECS=20]`: serve one route at
+    // `TI_BENCH_PROFILE=layer|bare|two|v6|commit [TI_BENCH_SECS=20]`: serve one route at
     // c = 8 and print its CPU split only, for `perf record` alongside.
     if let Ok(which) = std::env::var("TI_BENCH_PROFILE") {
         let route = match which.as_str() {
             "bare" => Route::Bare,
             "two" => Route::TwoWrites,
             "v6" => Route::V6,
+            "commit" => Route::AtCommit,
             _ => Route::Layer,
         };
         let keys = if route == Route::Bare {
@@ -602,8 +617,14 @@ async fn main() {
                 Route::TwoWrites,
                 Keys::Unique,
             ),
+            (
+                "claim at commit: first execution",
+                Route::AtCommit,
+                Keys::Unique,
+            ),
+            ("claim at commit: replay", Route::AtCommit, Keys::One),
         ];
-        let mut spent = [(0.0, 0.0, 0.0); 5];
+        let mut spent = [(0.0, 0.0, 0.0); 7];
         let mut measured: Vec<(&str, Run, PgStats, usize)> = scenarios
             .iter()
             .map(|s| {
@@ -783,7 +804,7 @@ async fn wal_bytes(admin: &str, from: &str, to: &str) -> i64 {
 /// noise.
 async fn round_trips_and_wal(admin: &str, db: &str, pg: std::net::SocketAddr) {
     const N: u64 = 200;
-    let scenarios: [(&str, Route, Keys, &'static str); 6] = [
+    let scenarios: [(&str, Route, Keys, &'static str); 9] = [
         ("baseline (no layer)", Route::Bare, Keys::None, ORDER),
         ("first execution", Route::Layer, Keys::Unique, ORDER),
         ("replay", Route::Layer, Keys::One, ORDER),
@@ -799,6 +820,19 @@ async fn round_trips_and_wal(admin: &str, db: &str, pg: std::net::SocketAddr) {
             Route::TwoWrites,
             Keys::Unique,
             ORDER,
+        ),
+        (
+            "claim at commit: first execution",
+            Route::AtCommit,
+            Keys::Unique,
+            ORDER,
+        ),
+        ("claim at commit: replay", Route::AtCommit, Keys::One, ORDER),
+        (
+            "claim at commit: final business error (409 recorded)",
+            Route::AtCommit,
+            Keys::Unique,
+            SHORT,
         ),
     ];
     println!();

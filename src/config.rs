@@ -55,6 +55,9 @@ pub(crate) struct Config {
     pub(crate) principal_slots: Arc<crate::fairness::PrincipalSlots>,
     pub(crate) waiters: Arc<tokio::sync::Semaphore>,
     pub(crate) lease: Option<LeaseMode>,
+    /// The claim-at-commit mode (`with_claim_at_commit`): the ledger row is
+    /// written with the `COMMIT`, nothing held while the handler runs.
+    pub(crate) claim_at_commit: bool,
     /// Chooses a request's retention and limits (`with_policy`).
     pub(crate) policy: Option<PolicyFn>,
 }
@@ -93,6 +96,7 @@ impl std::fmt::Debug for Config {
             .field("max_waiting", &self.max_waiting)
             .field("max_per_principal", &self.principal_slots.per_principal())
             .field("lease", &self.lease)
+            .field("claim_at_commit", &self.claim_at_commit)
             .field("policy", &self.policy.is_some())
             .finish_non_exhaustive()
     }

@@ -25,6 +25,14 @@ pub enum ConfigError {
         /// The longest accepted.
         max: Duration,
     },
+    /// Two modes that cannot hold together (the claim-at-commit mode on a
+    /// layer in lease mode, whose claim commits before the handler runs).
+    ModeConflict {
+        /// The mode asked for.
+        asked: &'static str,
+        /// The mode already set.
+        set: &'static str,
+    },
 }
 
 impl std::fmt::Display for ConfigError {
@@ -37,6 +45,7 @@ impl std::fmt::Display for ConfigError {
                 "{name} cannot be fingerprinted: it differs between attempts or carries a credential"
             ),
             Self::TooLong { what, max } => write!(f, "{what} must be at most {max:?}"),
+            Self::ModeConflict { asked, set } => write!(f, "{asked} cannot be used with {set}"),
         }
     }
 }

@@ -118,6 +118,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
                 principal_slots: Arc::new(turns),
                 lease: None,
+                claim_at_commit: false,
                 policy: None,
             },
             invalid: None,
@@ -568,10 +569,73 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// See [`lease`](crate::lease). The default is the single-transaction
     /// mode. `with_in_flight_wait` bounds how long a duplicate waits on a
     /// live lease.
+    ///
+    /// Lease mode replaces the claim-at-commit mode
+    /// ([`with_claim_at_commit`](Self::with_claim_at_commit)) when both
+    /// are asked for in this order; the other order is refused.
     #[must_use]
     pub fn with_lease(mut self, mode: LeaseMode) -> Self {
         self.config.lease = Some(mode);
+        self.config.claim_at_commit = false;
         self
+    }
+
+    /// The claim-at-commit mode: the cheapest guarded first execution, for
+    /// handlers whose effects are **all** inside the claimed transaction
+    /// (the same handlers the default mode serves; never one that calls
+    /// the outside world, for which see [`with_lease`](Self::with_lease)).
+    ///
+    /// The handler runs at once on a fresh transaction (at the layer's
+    /// isolation level), with nothing of the key held; the ledger row is
+    /// written just before the `COMMIT`, under the unique constraint on the
+    /// scope, so a first execution costs one ledger row and no claim
+    /// statement (on PostgreSQL the bare transaction's round trips plus
+    /// one). A duplicate that arrives while the first runs, or after it
+    /// committed, **loses at the constraint**: its whole transaction,
+    /// business writes included, is rolled back, and it is answered the
+    /// recorded answer (or the refusals of the decision table: `422` for a
+    /// different request, `410` once expired), or, when the first is
+    /// still running past the layer's in-flight wait, `409` with
+    /// `Retry-After`. Never a second effect. The lost race is quiet where
+    /// the store allows it (`ON CONFLICT DO NOTHING` on PostgreSQL and
+    /// SQLite; on MySQL/MariaDB a duplicate key, which they do not log).
+    ///
+    /// # The trade-off
+    ///
+    /// **A duplicate's handler may run and be undone.** A retry that
+    /// reaches another instance (duplicates within one layer still wait
+    /// for the first, off the pool) runs the handler, whose writes are then
+    /// rolled back; a retry of a finished key runs it too, unless
+    /// [`with_read_first`](Self::with_read_first) reads the ledger first
+    /// (one read more for every first execution). Anything the handler
+    /// does outside the transaction (an email, a provider call, a message)
+    /// **would happen twice**: use this mode only when every effect is a
+    /// write on the claimed transaction. Two concurrent duplicates also
+    /// hold their business rows' locks against each other until one loses
+    /// (a deadlock between them is resolved by the database and answered
+    /// as a lost race). Final business errors still roll the business
+    /// writes back and record `FAILED_FINAL` in the same transaction;
+    /// rejections and `5xx` still record nothing.
+    ///
+    /// A handler that ends the transaction itself is detected as in the
+    /// default mode, except on PostgreSQL after a `COMMIT` followed by a
+    /// new transaction that writes: the answer is then recorded in that
+    /// transaction. On PostgreSQL the row goes to the ledger table the
+    /// transaction's `search_path` finds at its end.
+    ///
+    /// The default is the claim-first mode, which holds the key before the
+    /// handler runs (a duplicate never runs it). Refused with
+    /// [`ConfigError::ModeConflict`] on a layer in lease mode.
+    #[must_use]
+    pub fn with_claim_at_commit(self) -> Self {
+        let allowed = match self.config.lease {
+            Some(_) => Err(ConfigError::ModeConflict {
+                asked: "claim at commit",
+                set: "lease mode",
+            }),
+            None => Ok(()),
+        };
+        self.checked(allowed, |c, ()| c.claim_at_commit = true)
     }
 
     /// How to link a resource id to its URL, for the `410` answer to an
@@ -708,6 +772,19 @@ mod tests {
                 .check()
                 .is_err()
         );
+        // The claim-at-commit mode cannot run in lease mode.
+        assert_eq!(
+            layer()
+                .with_lease(LeaseMode::default())
+                .with_claim_at_commit()
+                .check()
+                .unwrap_err(),
+            ConfigError::ModeConflict {
+                asked: "claim at commit",
+                set: "lease mode"
+            }
+        );
+        assert!(layer().with_claim_at_commit().check().is_ok());
         // The defaults: a quarter of the pool may wait, and the body's
         // representation headers are recorded.
         let l = layer();

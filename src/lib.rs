@@ -244,6 +244,16 @@
 //! resumes where the last attempt stopped. A [`Completer`](lease::Completer)
 //! finishes abandoned records with no client retry. See [`lease`].
 //!
+//! # Claim at commit
+//!
+//! For handlers whose effects are all on the claimed transaction,
+//! [`IdempotencyLayer::with_claim_at_commit`] trades the claim before the
+//! handler for the cheapest first execution: the handler runs at once, the
+//! ledger row is written with the `COMMIT` under the unique constraint, and
+//! a duplicate that loses there is rolled back whole and answered from the
+//! ledger. A duplicate's handler may run and be undone; the default stays
+//! claim-first.
+//!
 //! # gRPC
 //!
 //! Under tonic the layer is a tower layer of the server

@@ -54,9 +54,13 @@ async fn counters(admin: &PgPool, db: &str) -> (i64, i64) {
 /// writes an order (after `delay_ms` from the body, to make duplicates
 /// meet) and answers 201, or 409 (a final business error) on `/short`.
 fn instance(pool: PgPool) -> App {
-    let service = ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(pool))
-        .service_fn(|req: Request<IdempotencyBody<String>>| async move {
+    instance_with(IdempotencyLayer::new(pool))
+}
+
+/// [`instance`] behind `layer`.
+fn instance_with(layer: IdempotencyLayer<sqlx::Postgres>) -> App {
+    let service = ServiceBuilder::new().layer(layer).service_fn(
+        |req: Request<IdempotencyBody<String>>| async move {
             let short = req.uri().path() == "/short";
             let delay = req
                 .headers()
@@ -79,7 +83,8 @@ fn instance(pool: PgPool) -> App {
                     .body("{\"ok\":true}".to_string())
                     .unwrap(),
             )
-        });
+        },
+    );
     BoxCloneService::new(service)
 }
 
@@ -172,5 +177,95 @@ async fn ordinary_outcomes_raise_no_server_error_and_roll_nothing_back() {
             assert!(problems.is_empty(), "server log: {problems:#?}");
         }
         None => println!("no readable server log here; judged by pg_stat_database alone"),
+    }
+}
+
+/// Issue 35 point 5: the claim-at-commit mode keeps the quiet database. A
+/// request that loses at the unique constraint (a replay sent to the other
+/// instance, whose handler runs and is undone; a duplicate that waits on
+/// the first one's uncommitted row) meets `ON CONFLICT DO NOTHING`, never a
+/// unique violation: the server log holds no error or warning for the
+/// database. Its rollbacks are the lost races' (printed), and one order
+/// commits per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_races_at_commit_raise_no_server_error() {
+    let (url, _drop) = orders_db().await;
+    let db = url.rsplit('/').next().unwrap().to_string();
+    let admin = PgPool::connect(&pg_admin_url()).await.unwrap();
+    let log = pg_log::ServerLog::open();
+    let (_, rollbacks_before) = counters(&admin, &db).await;
+    let pools = [
+        PgPool::connect(&url).await.unwrap(),
+        PgPool::connect(&url).await.unwrap(),
+    ];
+    let at_commit = |pool: &PgPool| {
+        instance_with(
+            IdempotencyLayer::new(pool.clone())
+                .with_claim_at_commit()
+                .unwrap(),
+        )
+    };
+    let [a, b] = [at_commit(&pools[0]), at_commit(&pools[1])];
+    const N: usize = 10;
+    for i in 0..N {
+        let key = format!("k-{i}");
+        assert_eq!(
+            send(&a, "/orders", &key, "{\"a\":1}", 0).await,
+            StatusCode::CREATED
+        );
+        // On the other instance: the handler runs, loses, is undone.
+        assert_eq!(
+            send(&b, "/orders", &key, "{\"a\":1}", 0).await,
+            StatusCode::CREATED
+        );
+    }
+    assert_eq!(
+        send(&b, "/short", "s-0", "{}", 0).await,
+        StatusCode::CONFLICT
+    );
+    assert_eq!(
+        send(&a, "/short", "s-0", "{}", 0).await,
+        StatusCode::CONFLICT
+    );
+    assert_eq!(
+        send(&b, "/orders", "k-0", "{\"a\":2}", 0).await,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    // Concurrent duplicates across the two instances, the first still
+    // running (300 ms): the others' rows wait on its row, then lose.
+    for burst in 0..3 {
+        let key = format!("burst-{burst}");
+        let mut all = Vec::new();
+        for n in 0..4 {
+            let service = if n % 2 == 0 { a.clone() } else { b.clone() };
+            let key = key.clone();
+            all.push(tokio::spawn(async move {
+                send(&service, "/orders", &key, "{\"a\":1}", 300).await
+            }));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for one in all {
+            assert_eq!(one.await.unwrap(), StatusCode::CREATED);
+        }
+    }
+    for pool in &pools {
+        pool.close().await;
+    }
+    let (_, rollbacks_after) = counters(&admin, &db).await;
+    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(&PgPool::connect(&url).await.unwrap())
+        .await
+        .unwrap();
+    println!(
+        "rollbacks {} (the lost races'); orders {orders}",
+        rollbacks_after - rollbacks_before
+    );
+    assert_eq!(orders, N as i64 + 3, "one order per key that succeeded");
+    match log {
+        Some(mut log) => {
+            let problems = log.problems(&db);
+            assert!(problems.is_empty(), "server log: {problems:#?}");
+        }
+        None => println!("no readable server log here"),
     }
 }

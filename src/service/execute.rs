@@ -11,6 +11,7 @@ use http::{HeaderValue, Request, Response};
 use http_body::Body;
 use tower_service::Service;
 
+use super::at_commit::AtCommit;
 use super::claim::MIN_READ_WAIT;
 use super::{
     BoxError, CatchUnwind, IdempotencyOutcome, Identity, ReadAnswer, Run, buffered, expiry_header,
@@ -23,8 +24,8 @@ use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
 use crate::store::{
-    Backend, Claim, Claimed, Completion, FinishError, OwnedClaim, Record, RecordStatus,
-    StoreErrorKind,
+    AtCommitOutcome, Backend, Claim, Claimed, Completion, FinishError, OwnedClaim, Record,
+    RecordStatus, StoreErrorKind,
 };
 use crate::tx::Tx;
 
@@ -96,6 +97,11 @@ impl<DB: Backend> Run<DB> {
                 if let Some(ended) = self.abandon(Some(tx), id, handler_status).await {
                     return Ok(ended);
                 }
+                // Claim at commit: the handler of a key already recorded
+                // ran again; the record, not this answer, is the key's.
+                if let Some(recorded) = self.recorded_at_commit(id).await {
+                    return Ok(buffered(recorded.0, recorded.1));
+                }
                 return Ok(answer.into_response(outcome));
             }
         };
@@ -106,13 +112,28 @@ impl<DB: Backend> Run<DB> {
                 parts,
                 prefix,
                 rest,
-            } => return Ok(self.settle_at_end(id, tx, parts, prefix, rest, class, hold)),
+            } => {
+                // Claim at commit: an answer that streams before its row is
+                // written is first checked against the ledger.
+                if let Some(recorded) = self.recorded_at_commit(id).await {
+                    tx.rollback().await;
+                    return Ok(buffered(recorded.0, recorded.1));
+                }
+                return Ok(self.settle_at_end(id, tx, parts, prefix, rest, class, hold));
+            }
             whole => whole,
         };
         let stored = answer.stored(&self.config.recorded_headers, limit);
         let completion = Completion::of(status, &stored, &answer.parts().extensions);
         let committing = Instant::now();
-        let finished = DB::finish(&self.pool, tx, &self.ledger_claim(id), &completion).await;
+        let finished = if self.config.claim_at_commit {
+            match self.finish_at_commit(tx, id, &completion).await {
+                AtCommit::Finished(finished) => finished,
+                AtCommit::Lost((res, outcome)) => return Ok(buffered(res, outcome)),
+            }
+        } else {
+            DB::finish(&self.pool, tx, &self.ledger_claim(id), &completion).await
+        };
         observe::timing("commit_ms", committing.elapsed());
         // The answer as the handler gave it, with the key's expiry.
         let respond = |expiry: Option<HeaderValue>| {
@@ -209,6 +230,7 @@ impl<DB: Backend> Run<DB> {
             head.extensions.insert(resource.clone());
         }
         let pool = self.pool.clone();
+        let at_commit = self.config.claim_at_commit.then(|| self.commit_wait());
         let settle: Settle = Box::new(move |ending| {
             let class = match ending {
                 Ending::Finished(trailers) => {
@@ -227,7 +249,21 @@ impl<DB: Backend> Run<DB> {
                     }
                 };
                 let completion = Completion::of(status, &stored, &head.extensions);
-                match DB::finish(&pool, tx, &claim.as_claim(), &completion).await {
+                let finished = match at_commit {
+                    // Claim at commit: a row of another request makes this
+                    // answer's transaction roll back whole.
+                    Some(wait) => {
+                        let mut claim = claim.as_claim();
+                        claim.lock_wait = wait;
+                        match DB::finish_at_commit(&pool, tx, &claim, &completion).await {
+                            Ok(AtCommitOutcome::Committed(expires_at)) => Ok(expires_at),
+                            Ok(AtCommitOutcome::Lost(_)) => return Settled::RolledBack,
+                            Err(e) => Err(e),
+                        }
+                    }
+                    None => DB::finish(&pool, tx, &claim.as_claim(), &completion).await,
+                };
+                match finished {
                     Ok(_) => Settled::Committed,
                     Err(e) => {
                         tracing::warn!(error = ?e, "an answer streamed past the recording limit could not be committed");
@@ -392,7 +428,7 @@ impl<DB: Backend> Run<DB> {
 impl<DB: Backend> Run<DB> {
     /// What the ledger keeps of `id`'s claim: its scope, fingerprint and
     /// retention.
-    fn ledger_claim<'a>(&'a self, id: &'a Identity<'_>) -> Claim<'a> {
+    pub(super) fn ledger_claim<'a>(&'a self, id: &'a Identity<'_>) -> Claim<'a> {
         Claim {
             scope: id.scope,
             fingerprint: id.fingerprint.as_bytes(),

@@ -35,6 +35,7 @@ use crate::replay::{StoredResponse, Trailers};
 use crate::scope::{bounded, default_operation, http_operation, stored_key};
 use crate::store::{Backend, Scope, StoreErrorKind};
 
+mod at_commit;
 mod claim;
 mod execute;
 mod lease;
@@ -423,6 +424,12 @@ impl<DB: Backend> Run<DB> {
         };
         let claimed = match &local {
             Local::StillRunning => Claimed::Answer(self.pending(Pending::InFlight, 0)),
+            Local::Finished if cfg.claim_at_commit => {
+                self.begin_at_commit(&id, true, deadline).await
+            }
+            Local::Leader { .. } if cfg.claim_at_commit => {
+                self.begin_at_commit(&id, false, deadline).await
+            }
             Local::Finished => self.claim(&id, true, deadline).await,
             Local::Leader { .. } => self.claim(&id, false, deadline).await,
         };

@@ -8,6 +8,12 @@
 //! the read, and writes its one row before the `COMMIT`, where the unique
 //! key still refuses a second row (nothing of that transaction commits).
 //!
+//! In the claim-at-commit mode (`IdempotencyLayer::with_claim_at_commit`)
+//! nothing is held before the handler: [`Backend::begin_at_commit`] begins
+//! the transaction as a bare `BEGIN` would, and
+//! [`Backend::finish_at_commit`] inserts the one row under the unique key
+//! just before the `COMMIT`; a row already there rolls everything back.
+//!
 //! Built-in backends (each behind its cargo feature):
 //!
 //! | backend | claim | waiting on an in-flight duplicate |
@@ -208,6 +214,19 @@ pub enum ClaimOutcome<DB: Database> {
     InFlight,
 }
 
+/// What [`Backend::finish_at_commit`] came to.
+#[derive(Debug)]
+pub enum AtCommitOutcome {
+    /// The ledger row was written and committed: the key's `expires_at`
+    /// (epoch milliseconds, database clock).
+    Committed(i64),
+    /// Another request's row held the scope, and everything of this
+    /// transaction was rolled back. The row, when the insert read it on
+    /// its way (PostgreSQL, a row committed before the insert began);
+    /// `None`: read it, in a transaction of its own.
+    Lost(Option<Box<Record>>),
+}
+
 /// A database that can hold the ledger. Implemented for `sqlx::Postgres`,
 /// `sqlx::Sqlite` and `sqlx::MySql` behind their features.
 ///
@@ -314,6 +333,41 @@ pub trait Backend: Database {
         claim: &Claim<'_>,
         completion: &Completion<'_>,
     ) -> impl Future<Output = Result<i64, FinishError>> + Send;
+
+    /// Begins the claimed transaction of the claim-at-commit mode
+    /// (`IdempotencyLayer::with_claim_at_commit`) on `conn`: a transaction
+    /// sqlx counts, at `claim.isolation`, with the savepoint final
+    /// business errors roll back to, and **nothing of the scope held**:
+    /// the handler runs at once, and the ledger row is written by
+    /// [`finish_at_commit`](Backend::finish_at_commit). The same one round
+    /// trip as a bare `BEGIN`.
+    fn begin_at_commit(
+        conn: PoolConnection<Self>,
+        claim: &Claim<'_>,
+    ) -> impl Future<Output = Result<Claimed<Self>, sqlx::Error>> + Send;
+
+    /// Records the terminal state of a transaction begun by
+    /// [`begin_at_commit`](Backend::begin_at_commit) and commits, as
+    /// [`finish`](Backend::finish) does (for `FailedFinal`, after rolling
+    /// back to the savepoint; a transaction the handler ended is
+    /// [`FinishError::Ended`]), except that the ledger row is **inserted
+    /// here, under the unique constraint**: [`AtCommitOutcome::Committed`]
+    /// when it was written and committed; [`AtCommitOutcome::Lost`] when a
+    /// row of another request already held the scope (committed, or
+    /// committed while this one waited for it), and then the whole
+    /// transaction, business writes included, was rolled back. The insert is quiet where the store
+    /// allows it (no server error for a lost race: PostgreSQL and SQLite
+    /// `ON CONFLICT DO NOTHING`; MySQL/MariaDB, whose quiet forms are
+    /// ambiguous or too broad, the driver's unique-violation signal, which
+    /// the server does not log). A wait on another request's uncommitted
+    /// row is bounded by about `claim.lock_wait`, then an error of kind
+    /// [`StoreErrorKind::LockTimeout`] with everything rolled back.
+    fn finish_at_commit(
+        pool: &Pool<Self>,
+        tx: Claimed<Self>,
+        claim: &Claim<'_>,
+        completion: &Completion<'_>,
+    ) -> impl Future<Output = Result<AtCommitOutcome, FinishError>> + Send;
 
     /// Rolls back to the claim's savepoint before the transaction is
     /// abandoned: an error of kind [`StoreErrorKind::TransactionEnded`]

@@ -12,9 +12,9 @@ use super::lease::{Args, Dialect};
 use super::literal::hex;
 use super::literal::x_literal;
 use super::{
-    Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, RecordStatus, Savepoint, Scope, StoreErrorKind, generic_error_kind,
-    migrations, run_migrations, shared_statements,
+    AtCommitOutcome, Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError,
+    IsolationLevel, LeaseWrite, Migration, RecordStatus, Savepoint, Scope, StoreErrorKind,
+    generic_error_kind, migrations, run_migrations, shared_statements,
 };
 
 /// The caller's session settings that would change what a ledger
@@ -182,58 +182,21 @@ impl Backend for MySql {
         // handler's writes on it. `finish` and every
         // rollback (`END_CLAIM`) turn autocommit back on before the
         // connection goes back to the pool.
-        //
-        // The insert: InnoDB counts lock waits in whole seconds, bounded
-        // for the insert alone (MariaDB's `SET STATEMENT … FOR`, MySQL 8's
-        // `SET_VAR` hint; each server ignores the other's form). A plain
-        // insert: a duplicate key is the driver's unique-violation error,
-        // which ends the statement and the rest of the batch, not the
-        // transaction. Not
-        // `ON DUPLICATE KEY UPDATE`, whose affected-row count is 1 for a
-        // no-op update when the client asks for found rows, as sqlx does;
-        // not `INSERT IGNORE`, which also swallows unrelated errors. Values
-        // are hex literals. Rounded to the nearest second; MariaDB takes 0
-        // (fail at once, for the first attempt's short probe), MySQL at
-        // least 1.
-        let secs = claim.lock_wait.as_secs_f64().round().clamp(0.0, 3600.0) as u64;
-        let mysql_secs = secs.max(1);
-        let sql = format!(
-            "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION READ WRITE; \
-             /*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs}, {pinned} FOR */ \
-             INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ INTO idempotency_records \
+        // The insert is bounded and plain (`bounded_insert`); values are
+        // hex literals.
+        let insert = format!(
+            "{}INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
-             VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); \
-             {}",
+             VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); ",
+            bounded_insert(claim),
             hex(claim.scope.principal.as_bytes()),
             hex(claim.scope.operation.as_bytes()),
             hex(claim.scope.key.as_bytes()),
             hex(claim.fingerprint),
             claim.retention_ms,
-            Savepoint::get().take,
-            isolation = claim.isolation.as_sql(),
             now = now_ms!(),
-            pinned = pinned_vars!(),
         );
-        let sql = in_ledger(&sql, claim.database);
-        let waits = !NO_SYNC_WAIT.load(Ordering::Relaxed);
-        let first = if waits {
-            format!("{SYNC_READ}{sql}")
-        } else {
-            sql.clone()
-        };
-        // The batch is the transaction's start, so sqlx counts the claimed
-        // transaction (a handler's nested `begin()` is a savepoint).
-        let mut begun = Claimed::begin(conn, AssertSqlSafe(first).into_sql_str(), end_claim).await;
-        if waits
-            && let Err((e, _)) = &begun
-            && number(e) == Some(1193)
-        {
-            // The batch stopped at its first statement: nothing changed yet.
-            NO_SYNC_WAIT.store(true, Ordering::Relaxed);
-            if let Err((_, conn)) = begun {
-                begun = Claimed::begin(conn, AssertSqlSafe(sql).into_sql_str(), end_claim).await;
-            }
-        }
+        let begun = begin_claimed(conn, claim, &insert).await;
         match begun {
             Ok(claimed) => Ok(ClaimOutcome::Won(claimed)),
             Err((e, conn)) => {
@@ -314,6 +277,61 @@ impl Backend for MySql {
                 Err(maybe_committed(e).into())
             }
         }
+    }
+
+    async fn begin_at_commit(
+        conn: PoolConnection<Self>,
+        claim: &Claim<'_>,
+    ) -> Result<Claimed<Self>, sqlx::Error> {
+        // The claim's batch without its insert: one round trip, as a bare
+        // `BEGIN`.
+        match begin_claimed(conn, claim, "").await {
+            Ok(tx) => Ok(tx),
+            Err((e, conn)) => {
+                end_or_close(conn).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn finish_at_commit(
+        pool: &Pool<Self>,
+        mut tx: Claimed<Self>,
+        claim: &Claim<'_>,
+        c: &Completion<'_>,
+    ) -> Result<AtCommitOutcome, FinishError> {
+        // One round trip: (undo the business writes,) prove the claimed
+        // transaction is still ours by releasing its savepoint, insert the
+        // scope's row (its lock wait bounded for the insert alone), take
+        // the savepoint again; then `finish`'s batch records the answer on
+        // that row and commits. A duplicate key is the driver's
+        // unique-violation signal, which MySQL/MariaDB do not log; nothing
+        // of the transaction commits then.
+        let sql = format!(
+            "{}; {}INTO idempotency_records \
+             (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
+             VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); {}",
+            Savepoint::get().release(c.status),
+            bounded_insert(claim),
+            hex(claim.scope.principal.as_bytes()),
+            hex(claim.scope.operation.as_bytes()),
+            hex(claim.scope.key.as_bytes()),
+            hex(claim.fingerprint),
+            claim.retention_ms,
+            Savepoint::get().take,
+            now = now_ms!(),
+        );
+        let sql = in_ledger(&sql, claim.database);
+        if let Err(e) = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await {
+            tx.rollback().await;
+            return match e.as_database_error() {
+                Some(d) if d.is_unique_violation() => Ok(AtCommitOutcome::Lost(None)),
+                _ => Err(e.into()),
+            };
+        }
+        Self::finish(pool, tx, claim, c)
+            .await
+            .map(AtCommitOutcome::Committed)
     }
 
     async fn check_savepoint(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
@@ -533,6 +551,67 @@ impl Backend for MySql {
 
 /// [`END_CLAIM`] on a connection whose batch failed halfway; closed when
 /// that fails or its future is dropped.
+/// An `INSERT ` whose lock wait is bounded by `claim.lock_wait` for the
+/// statement alone: InnoDB counts it in whole seconds (MariaDB's
+/// `SET STATEMENT … FOR`, MySQL 8's `SET_VAR` hint; each server ignores
+/// the other's form), rounded to the nearest; MariaDB takes 0 (fail at
+/// once, for the first attempt's short probe), MySQL at least 1. A plain
+/// insert: a duplicate key is the driver's unique-violation error, which
+/// ends the statement and the rest of the batch, not the transaction. Not
+/// `ON DUPLICATE KEY UPDATE`, whose affected-row count is 1 for a no-op
+/// update when the client asks for found rows, as sqlx does; not
+/// `INSERT IGNORE`, which also swallows unrelated errors.
+fn bounded_insert(claim: &Claim<'_>) -> String {
+    let secs = claim.lock_wait.as_secs_f64().round().clamp(0.0, 3600.0) as u64;
+    let mysql_secs = secs.max(1);
+    format!(
+        "/*M!100301 SET STATEMENT innodb_lock_wait_timeout = {secs}, {pinned} FOR */ \
+         INSERT /*+ SET_VAR(innodb_lock_wait_timeout = {mysql_secs}) */ ",
+        pinned = pinned_vars!(),
+    )
+}
+
+/// Begins the claimed transaction in one round trip: on a Galera node,
+/// first wait until the node has applied every transaction the cluster
+/// committed before this one (`SYNC_READ`); then autocommit off, the
+/// level for the next transaction only, `START TRANSACTION READ WRITE`,
+/// `insert` (the claim's row, or nothing), the savepoint. The batch is the
+/// transaction's start, so sqlx counts it (a handler's nested `begin()` is
+/// a savepoint). On an error the batch stopped at its failing statement,
+/// perhaps with autocommit off and a transaction open: the caller ends
+/// both.
+async fn begin_claimed(
+    conn: PoolConnection<MySql>,
+    claim: &Claim<'_>,
+    insert: &str,
+) -> Result<Claimed<MySql>, (sqlx::Error, PoolConnection<MySql>)> {
+    let sql = format!(
+        "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {isolation}; START TRANSACTION READ WRITE; \
+         {insert}{}",
+        Savepoint::get().take,
+        isolation = claim.isolation.as_sql(),
+    );
+    let sql = in_ledger(&sql, claim.database);
+    let waits = !NO_SYNC_WAIT.load(Ordering::Relaxed);
+    let first = if waits {
+        format!("{SYNC_READ}{sql}")
+    } else {
+        sql.clone()
+    };
+    let mut begun = Claimed::begin(conn, AssertSqlSafe(first).into_sql_str(), end_claim).await;
+    if waits
+        && let Err((e, _)) = &begun
+        && number(e) == Some(1193)
+    {
+        // The batch stopped at its first statement: nothing changed yet.
+        NO_SYNC_WAIT.store(true, Ordering::Relaxed);
+        if let Err((_, conn)) = begun {
+            begun = Claimed::begin(conn, AssertSqlSafe(sql).into_sql_str(), end_claim).await;
+        }
+    }
+    begun
+}
+
 async fn end_or_close(mut conn: PoolConnection<MySql>) {
     let guard = CloseOnCancel::new(&mut conn);
     if sqlx::raw_sql(END_CLAIM)

@@ -9,8 +9,8 @@ use sqlx::{AssertSqlSafe, FromRow, Pool, Row, SqlSafeStr};
 use super::claimed::rollback;
 use super::lease::{Arg, Args, Dialect, numbered};
 use super::{
-    Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, Record, RecordStatus, Savepoint, Scope, StoreErrorKind,
+    AtCommitOutcome, Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError,
+    IsolationLevel, LeaseWrite, Migration, Record, RecordStatus, Savepoint, Scope, StoreErrorKind,
     generic_error_kind, migrations, record_from_row, run_migrations, shared_statements,
 };
 
@@ -51,8 +51,8 @@ const CLAIM_READ: &str = "SELECT txid_current_if_assigned(), r.status, r.request
      ORDER BY pg_catalog.array_position(pg_catalog.current_schemas(false), s.nspname) LIMIT 1) \
      FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
      LEFT JOIN idempotency_records r \
-     ON r.principal_id = convert_from($1, 'UTF8') AND r.operation = convert_from($2, 'UTF8') \
-     AND r.idem_key = convert_from($3, 'UTF8')";
+     ON r.principal_id = convert_from($1, 'UTF8') COLLATE \"default\" AND r.operation = convert_from($2, 'UTF8') COLLATE \"default\" \
+     AND r.idem_key = convert_from($3, 'UTF8') COLLATE \"default\"";
 
 /// Waits for the scope's lock within a bound (ledger v8's function).
 const WAIT: &str = "SELECT tower_idempotency_wait($1, $2, $3)";
@@ -74,6 +74,44 @@ fn record(schema: Option<&str>) -> String {
         now = now_ms!(),
     )
 }
+
+/// The one ledger row of the claim-at-commit mode, prepared, written
+/// just before the `COMMIT` into the ledger the transaction finds: quietly
+/// (`ON CONFLICT DO NOTHING`: a row of another request makes it write
+/// nothing, with no error in the server's log), only inside a transaction
+/// that has an id (the claimed one was given one with its `BEGIN`; a
+/// statement of its own after a handler's `COMMIT` or `ROLLBACK` has none
+/// when it starts), and with the wait on another request's uncommitted row
+/// bounded by `lock_timeout` (`$11`), set for the rest of this transaction
+/// alone. Returns the expiry and the transaction's id (what a lost `COMMIT`
+/// is asked about) when it wrote the row; otherwise, in the same round
+/// trip, the scope's row as the statement's snapshot sees it (a row
+/// committed before the statement began: the replay a lost race is
+/// answered with, columns as `CLAIM_READ` reads them).
+const RECORD_AT_COMMIT: &str = concat!(
+    "WITH ins AS (INSERT INTO idempotency_records (principal_id, operation, idem_key, \
+     request_fingerprint, status, response_status, response_headers, response_body, \
+     resource_id, created_at, expires_at) SELECT convert_from($1, 'UTF8'), \
+     convert_from($2, 'UTF8'), convert_from($3, 'UTF8'), $4, $5, $6, $7, $8, \
+     convert_from($9, 'UTF8'), ",
+    now_ms!(),
+    ", ",
+    now_ms!(),
+    " + $10 WHERE txid_current_if_assigned() IS NOT NULL \
+     AND (SELECT set_config('lock_timeout', $11, true)) IS NOT NULL \
+     ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
+     RETURNING expires_at, txid_current() AS xid) \
+     SELECT ins.expires_at, ins.xid, r.status, r.request_fingerprint, r.response_status, \
+     r.response_headers, r.response_body, r.resource_id, r.expires_at, \
+     CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
+     CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
+     r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8 \
+     FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
+     LEFT JOIN ins ON true \
+     LEFT JOIN idempotency_records r ON ins.xid IS NULL \
+     AND r.principal_id = convert_from($1, 'UTF8') COLLATE \"default\" AND r.operation = convert_from($2, 'UTF8') COLLATE \"default\" \
+     AND r.idem_key = convert_from($3, 'UTF8') COLLATE \"default\""
+);
 
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 impl Backend for Postgres {
@@ -284,6 +322,102 @@ impl Backend for Postgres {
         }
     }
 
+    async fn begin_at_commit(
+        conn: PoolConnection<Self>,
+        claim: &Claim<'_>,
+    ) -> Result<Claimed<Self>, sqlx::Error> {
+        // One round trip, the transaction's start (sqlx counts it): the
+        // level, an id for the transaction (so that the row written at its
+        // end can tell it is still in it), the savepoint.
+        let begin = format!(
+            "BEGIN ISOLATION LEVEL {}; SELECT txid_current(); {}",
+            claim.isolation.as_sql(),
+            Savepoint::get().take
+        );
+        match Claimed::begin(conn, AssertSqlSafe(begin).into_sql_str(), rollback).await {
+            Ok(tx) => Ok(tx),
+            Err((e, mut conn)) => {
+                // The batch may have left the server inside its `BEGIN`.
+                conn.close_on_drop();
+                Err(e)
+            }
+        }
+    }
+
+    async fn finish_at_commit(
+        pool: &Pool<Self>,
+        mut tx: Claimed<Self>,
+        claim: &Claim<'_>,
+        c: &Completion<'_>,
+    ) -> Result<AtCommitOutcome, FinishError> {
+        if c.status == RecordStatus::FailedFinal
+            && let Err(e) = Self::check_savepoint(&mut tx).await
+        {
+            tx.discard();
+            return Err(ended_or_store(e));
+        }
+        let wait = format!(
+            "{}ms",
+            claim.lock_wait.as_millis().clamp(1, i32::MAX as u128)
+        );
+        let written = sqlx::query(RECORD_AT_COMMIT)
+            .persistent(claim.cached_statements)
+            .bind(utf8(claim.scope.principal))
+            .bind(utf8(claim.scope.operation))
+            .bind(utf8(claim.scope.key))
+            .bind(claim.fingerprint)
+            .bind(c.status.as_str())
+            .bind(c.response_status)
+            .bind(c.response_headers)
+            .bind(c.response_body)
+            .bind(c.resource_id.map(str::as_bytes))
+            .bind(claim.retention_ms)
+            .bind(wait)
+            .fetch_one(&mut *tx)
+            .await
+            .and_then(|row| recorded_at_commit(&row));
+        let (expires_at, xid) = match written {
+            Ok(Written::Row(expires_at, xid)) => (expires_at, xid),
+            Ok(Written::Lost(record)) => {
+                // A committed row of another request: nothing of this
+                // transaction may commit.
+                tx.rollback().await;
+                return Ok(AtCommitOutcome::Lost(Some(record)));
+            }
+            Ok(Written::Nothing) => {
+                // Nothing written and no row seen: a row of another request
+                // committed while this one waited for it, or the handler
+                // ended the transaction (the savepoint says which).
+                return match Self::check_savepoint(&mut tx).await {
+                    Ok(()) => {
+                        tx.rollback().await;
+                        Ok(AtCommitOutcome::Lost(None))
+                    }
+                    Err(e) => {
+                        tx.discard();
+                        Err(ended_or_store(e))
+                    }
+                };
+            }
+            Err(e) => {
+                // A server's refusal (the lock wait's bound, a
+                // serialization failure) leaves the connection sound.
+                if e.as_database_error().is_some() {
+                    tx.rollback().await;
+                } else {
+                    tx.discard();
+                }
+                return Err(e.into());
+            }
+        };
+        match tx.commit().await {
+            Ok(()) => Ok(AtCommitOutcome::Committed(expires_at)),
+            Err(e) => lost_commit(pool, xid, expires_at, e)
+                .await
+                .map(AtCommitOutcome::Committed),
+        }
+    }
+
     async fn check_savepoint(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
         sqlx::raw_sql(Savepoint::get().undo.as_str())
             .execute(conn)
@@ -305,8 +439,8 @@ impl Backend for Postgres {
             " THEN 1::INT8 ELSE 0::INT8 END, \
              recovery_point, recovery_data, pending_step, claim_id, parks::INT8 \
              FROM idempotency_records \
-             WHERE principal_id = convert_from($1, 'UTF8') AND operation = convert_from($2, 'UTF8') \
-             AND idem_key = convert_from($3, 'UTF8')"
+             WHERE principal_id = convert_from($1, 'UTF8') COLLATE \"default\" AND operation = convert_from($2, 'UTF8') COLLATE \"default\" \
+             AND idem_key = convert_from($3, 'UTF8') COLLATE \"default\""
         ),
         mark = concat!(
             "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
@@ -497,10 +631,66 @@ async fn lost_commit(
     }
 }
 
+/// What the row written at commit found.
+enum Written {
+    /// Written: its expiry and the transaction's id.
+    Row(i64, i64),
+    /// Not written: another request's row, committed before the statement.
+    Lost(Box<Record>),
+    /// Not written, and no row seen.
+    Nothing,
+}
+
+/// Reads [`RECORD_AT_COMMIT`]'s one row.
+fn recorded_at_commit(row: &sqlx::postgres::PgRow) -> Result<Written, sqlx::Error> {
+    if let (Some(expires_at), Some(xid)) = (
+        row.try_get::<Option<i64>, _>(0)?,
+        row.try_get::<Option<i64>, _>(1)?,
+    ) {
+        return Ok(Written::Row(expires_at, xid));
+    }
+    if row.try_get::<Option<String>, _>(2)?.is_none() {
+        return Ok(Written::Nothing);
+    }
+    let record = record_from_row((
+        row.try_get(2)?,
+        row.try_get(3)?,
+        row.try_get(4)?,
+        row.try_get(5)?,
+        row.try_get(6)?,
+        row.try_get(7)?,
+        row.try_get(8)?,
+        row.try_get(9)?,
+        row.try_get(10)?,
+        row.try_get(11)?,
+        row.try_get(12)?,
+        row.try_get(13)?,
+        row.try_get(14)?,
+        row.try_get(15)?,
+        row.try_get(16)?,
+    ))?;
+    Ok(Written::Lost(Box::new(record)))
+}
+
+/// A failed check of the claimed transaction's savepoint: the handler
+/// ended it ([`FinishError::Ended`]), or the store failed.
+fn ended_or_store(e: sqlx::Error) -> FinishError {
+    if Postgres::error_kind(&e) == StoreErrorKind::TransactionEnded {
+        FinishError::Ended(e)
+    } else {
+        FinishError::Store(e)
+    }
+}
+
 /// A text value bound as its UTF-8 bytes, which the statement decodes
 /// (`convert_from($n, 'UTF8')`): the session's `client_encoding` (an
 /// application may set one sqlx cannot speak, such as `SJIS`) never
-/// converts, or refuses, a scope on its way to the ledger.
+/// converts, or refuses, a scope on its way to the ledger. Compared with a
+/// scope column, the decoded value is given the database's default
+/// collation (`COLLATE "default"`, the columns' own): `convert_from` takes
+/// the collation of its `name` argument (`C`), with which the ledger's
+/// unique index cannot serve the comparison and every lookup would read
+/// the whole ledger (`tests/pg_scope_index.rs`).
 fn utf8(text: &str) -> &[u8] {
     text.as_bytes()
 }
@@ -579,13 +769,13 @@ async fn claim_read(
 pub(super) const DIALECT: Dialect = Dialect {
     key: |a, v| {
         format!(
-            "convert_from({}, 'UTF8')",
+            "convert_from({}, 'UTF8') COLLATE \"default\"",
             numbered(a, Arg::Bytes(v.into()))
         )
     },
     text: |a, v| {
         format!(
-            "convert_from({}, 'UTF8')",
+            "convert_from({}, 'UTF8') COLLATE \"default\"",
             numbered(a, Arg::Bytes(v.into()))
         )
     },

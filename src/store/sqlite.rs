@@ -8,9 +8,9 @@ use super::claimed::rollback;
 use super::lease::{Args, Dialect, commit_if_written};
 use super::literal::x_literal;
 use super::{
-    Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError, IsolationLevel,
-    LeaseWrite, Migration, Savepoint, Scope, StoreErrorKind, generic_error_kind, migrations,
-    run_migrations, shared_statements,
+    AtCommitOutcome, Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError,
+    IsolationLevel, LeaseWrite, Migration, Savepoint, Scope, StoreErrorKind, generic_error_kind,
+    migrations, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
@@ -132,6 +132,79 @@ impl Backend for Sqlite {
             Ok(expires_at) => {
                 tx.commit().await?;
                 Ok(expires_at)
+            }
+            Err(e) => {
+                tx.rollback().await;
+                Err(e.into())
+            }
+        }
+    }
+
+    // Claim at commit: the write lock is still taken up front (one writer;
+    // a duplicate waits at its `BEGIN IMMEDIATE` for the first to commit),
+    // and the row is written last, `ON CONFLICT DO NOTHING`.
+    async fn begin_at_commit(
+        conn: PoolConnection<Self>,
+        _claim: &Claim<'_>,
+    ) -> Result<Claimed<Self>, sqlx::Error> {
+        let mut tx = begin_immediate(conn).await?;
+        if let Err(e) = sqlx::raw_sql(Savepoint::get().take.as_str())
+            .execute(&mut *tx)
+            .await
+        {
+            tx.rollback().await;
+            return Err(e);
+        }
+        Ok(tx)
+    }
+
+    async fn finish_at_commit(
+        _pool: &Pool<Self>,
+        mut tx: Claimed<Self>,
+        claim: &Claim<'_>,
+        c: &Completion<'_>,
+    ) -> Result<AtCommitOutcome, FinishError> {
+        // (Undo the business writes,) prove the transaction is still ours,
+        // then the one row, quietly: `RETURNING` gives nothing when a row
+        // already holds the scope.
+        if let Err(e) = sqlx::raw_sql(Savepoint::get().release(c.status))
+            .execute(&mut *tx)
+            .await
+        {
+            let e = reopen_if_ended(&mut tx, e).await;
+            tx.rollback().await;
+            return Err(e.into());
+        }
+        let recorded: Result<Option<i64>, _> = sqlx::query_scalar(concat!(
+            "INSERT INTO main.idempotency_records \
+             (principal_id, operation, idem_key, request_fingerprint, status, response_status, \
+             response_headers, response_body, resource_id, created_at, expires_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ",
+            now_ms!(),
+            ", ",
+            now_ms!(),
+            " + ?) ON CONFLICT (principal_id, operation, idem_key) DO NOTHING RETURNING expires_at"
+        ))
+        .bind(claim.scope.principal)
+        .bind(claim.scope.operation)
+        .bind(claim.scope.key)
+        .bind(claim.fingerprint)
+        .bind(c.status.as_str())
+        .bind(c.response_status)
+        .bind(c.response_headers)
+        .bind(c.response_body)
+        .bind(c.resource_id)
+        .bind(claim.retention_ms)
+        .fetch_optional(&mut *tx)
+        .await;
+        match recorded {
+            Ok(Some(expires_at)) => {
+                tx.commit().await?;
+                Ok(AtCommitOutcome::Committed(expires_at))
+            }
+            Ok(None) => {
+                tx.rollback().await;
+                Ok(AtCommitOutcome::Lost(None))
             }
             Err(e) => {
                 tx.rollback().await;

@@ -119,6 +119,9 @@ pub struct Harness<DB: ConformanceDb> {
     pub executions: Arc<AtomicUsize>,
     /// The caller's environment the case runs in.
     pub environment: Environment,
+    /// Whether the case's layer runs in the claim-at-commit mode
+    /// ([`Harness::at_commit`]).
+    pub at_commit: bool,
     /// What the counts and reads of the judging helpers run on: the case's
     /// database in the server's default session (a session setting or a
     /// temporary table of the environment never hides a committed row).
@@ -244,6 +247,7 @@ async fn create_order<DB: ConformanceDb>(
     State(st): State<AppState<DB>>,
     headers: HeaderMap,
     tx: Option<Tx<DB>>,
+    ran: Option<Extension<Ran>>,
     Json(req): Json<OrderReq>,
 ) -> Response {
     let Some(tx) = tx else {
@@ -257,6 +261,9 @@ async fn create_order<DB: ConformanceDb>(
         return (StatusCode::CREATED, Json(json!({"orderId": id}))).into_response();
     };
     st.executions.fetch_add(1, Ordering::SeqCst);
+    if let Some(Extension(ran)) = ran {
+        ran.0.store(true, Ordering::SeqCst);
+    }
     let principal = headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())
@@ -279,10 +286,14 @@ async fn create_order<DB: ConformanceDb>(
             .into_response();
     }
     for item in &req.items {
-        if !DB::take_stock(&mut conn, &item.sku, item.qty)
-            .await
-            .unwrap()
-        {
+        // A failed stock update (a serialization failure, a deadlock with
+        // a concurrent request) is answered as handlers do: a problem, a
+        // retryable `503` for a conflict, nothing committed.
+        let taken = match DB::take_stock(&mut conn, &item.sku, item.qty).await {
+            Ok(taken) => taken,
+            Err(e) => return crate::HandlerError::from(e).into_response(),
+        };
+        if !taken {
             let problem = json!({"type": "https://example.test/problems/out-of-stock", "title": "Out of stock", "status": 409, "sku": item.sku});
             return (
                 StatusCode::CONFLICT,
@@ -530,6 +541,43 @@ async fn create_order<DB: ConformanceDb>(
         .into_response()
 }
 
+/// Set by the test handler when it runs for the request that carries it.
+#[derive(Clone)]
+struct Ran(Arc<std::sync::atomic::AtomicBool>);
+
+/// In the claim-at-commit mode, takes back the count of a handler run that
+/// was undone because its request lost at the unique constraint: the
+/// handler ran for the request, and the layer answered from the ledger
+/// (the replay, or a refusal for an existing record).
+async fn undone_runs(
+    executions: Arc<AtomicUsize>,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    req.extensions_mut().insert(Ran(Arc::clone(&ran)));
+    let res = next.run(req).await;
+    use crate::problem::ProblemKind;
+    // Answered from the ledger: the recorded answer, or a refusal the
+    // decision table gives for an existing record.
+    let from_ledger = match res.extensions().get::<crate::IdempotencyOutcome>() {
+        Some(crate::IdempotencyOutcome::Replayed) => true,
+        Some(crate::IdempotencyOutcome::Refused { problem, .. }) => matches!(
+            problem,
+            ProblemKind::KeyReused
+                | ProblemKind::InFlight
+                | ProblemKind::Unconfirmed
+                | ProblemKind::Expired
+                | ProblemKind::Reconciling
+        ),
+        _ => false,
+    };
+    if ran.load(Ordering::SeqCst) && from_ledger {
+        executions.fetch_sub(1, Ordering::SeqCst);
+    }
+    res
+}
+
 fn rand_nonce() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     std::collections::hash_map::RandomState::new()
@@ -554,6 +602,7 @@ impl<DB: ConformanceDb> Harness<DB> {
             pool,
             executions: Arc::new(AtomicUsize::new(0)),
             environment: Environment::default(),
+            at_commit: false,
             _drop: drop,
         }
     }
@@ -589,9 +638,24 @@ impl<DB: ConformanceDb> Harness<DB> {
             pool,
             executions: Arc::new(AtomicUsize::new(0)),
             environment,
+            at_commit: false,
             judge: plain,
             _drop: drop,
         }
+    }
+
+    /// A fresh database whose layers run in the claim-at-commit mode
+    /// (`IdempotencyLayer::with_claim_at_commit`). There a duplicate's
+    /// handler may run and be rolled back when it loses at the unique
+    /// constraint: [`executions`](Self::executions) leaves out the runs
+    /// whose request was then answered from the ledger (a replay, or a
+    /// refusal for an existing record), so "the handler ran once" reads
+    /// "one execution answered as the handler's", and every case still
+    /// judges by the rows committed.
+    pub async fn at_commit() -> Self {
+        let mut h = Self::new().await;
+        h.at_commit = true;
+        h
     }
 
     /// The same database and counter, reached through `pool` instead (a
@@ -612,9 +676,16 @@ impl<DB: ConformanceDb> Harness<DB> {
 
     /// The default layer for these tests: Bearer-token principals.
     pub fn layer(&self) -> IdempotencyLayer<DB> {
-        IdempotencyLayer::new(self.pool.clone())
+        let layer = IdempotencyLayer::new(self.pool.clone())
             .with_principal(bearer)
-            .with_isolation_level(self.environment.isolation)
+            .with_isolation_level(self.environment.isolation);
+        if self.at_commit {
+            layer
+                .with_claim_at_commit()
+                .expect("a layer not in lease mode")
+        } else {
+            layer
+        }
     }
 
     /// The test app behind the default layer.
@@ -624,14 +695,29 @@ impl<DB: ConformanceDb> Harness<DB> {
 
     /// The test app behind `layer` (for cases that change configuration).
     pub fn app_with(&self, layer: IdempotencyLayer<DB>) -> Router {
-        Router::new()
+        let app = Router::new()
             .route("/orders", post(create_order::<DB>).put(create_order::<DB>))
             .layer(layer)
             .with_state(AppState {
                 pool: self.pool.clone(),
                 executions: Arc::clone(&self.executions),
                 first: self.environment.handler.statements,
-            })
+            });
+        self.judged(app)
+    }
+
+    /// `app` as the case judges it: in the claim-at-commit mode, a run of
+    /// the test handler that was undone (its request lost at the unique
+    /// constraint) is not counted in [`executions`](Self::executions).
+    pub fn judged(&self, app: Router) -> Router {
+        if self.at_commit {
+            let executions = Arc::clone(&self.executions);
+            app.layer(axum::middleware::from_fn(move |req, next| {
+                undone_runs(Arc::clone(&executions), req, next)
+            }))
+        } else {
+            app
+        }
     }
 
     /// How many times the test handler ran.
@@ -769,6 +855,81 @@ macro_rules! conformance_suite {
     };
     ($name:ident, $db:ty, setup = $setup:path) => {
         $crate::conformance_suite!(@cases $name, $db, $setup, plain);
+    };
+    ($name:ident, $db:ty, at_commit) => {
+        // The cases of the claim-first suite that hold in the
+        // claim-at-commit mode, judged by the rows committed (see
+        // `Harness::at_commit`). Left out: lease mode's and consumers'
+        // cases (the mode is the HTTP layer's, refused with lease mode),
+        // and the claim-first promises this mode gives up, each named in
+        // `tests/conformance_at_commit.rs` with its reason.
+        // `handler_that_ends_the_transaction_is_held_for_reconciliation`:
+        // its retries of a key held for reconciliation run the handler
+        // again (nothing holds the key before it), and that handler
+        // commits by itself, an effect outside the rolled-back
+        // transaction: the misuse this mode's contract excludes.
+        // `a_grpc_timeout_bounds_the_wait_for_an_in_flight_duplicate`: the
+        // handler runs before anything waits in this mode, and the case's
+        // gRPC message is a body the test handler rejects (`415`, passed
+        // through as the handler's own answer): the bound it checks is the
+        // claim's wait, which this mode does not have.
+        $crate::__conformance_cases!($name, $db, $crate::testkit::no_setup, at_commit;
+            first_request_commits_order_and_succeeded_row,
+            retry_replays_byte_for_byte_without_executing,
+            quoted_and_bare_key_are_the_same_key,
+            missing_key_is_refused_and_nothing_stored,
+            malformed_keys_are_refused_and_nothing_stored,
+            missing_principal_is_refused_and_nothing_stored,
+            oversized_body_is_refused_before_buffering,
+            invalid_bodies_are_refused_and_nothing_stored,
+            changed_payload_is_refused_with_422,
+            mismatch_status_can_be_409,
+            handler_rejection_rolls_back_and_key_stays_usable,
+            final_business_error_records_failed_final_without_partial_writes,
+            server_error_rolls_back_and_retry_runs_afresh,
+            handler_can_mark_a_response_final_or_retryable,
+            concurrent_duplicate_waits_then_replays,
+            stuck_claim_is_bounded_then_in_flight_409,
+            expired_record_is_refused_with_410,
+            fifty_concurrent_duplicates_execute_once,
+            other_principal_same_key_is_independent,
+            dropped_future_commits_nothing,
+            panicking_handler_commits_nothing,
+            held_transaction_handle_commits_nothing,
+            lost_connection_commits_nothing_and_retry_runs_once,
+            unguarded_methods_pass_through,
+            answers_advertise_the_key_expiry,
+            longest_retention_still_records_and_replays,
+            hashed_keys_keep_the_guarantees,
+            sweep_tombstones_expired_rows_and_purges_them_later,
+            claims_run_while_a_large_sweep_runs,
+            read_first_path_keeps_the_guarantees,
+            duplicate_on_another_instance_waits_on_the_database_then_replays,
+            long_principals_are_scoped_by_their_hash,
+            waiting_duplicates_hold_no_pooled_connection,
+            answer_lost_after_commit_is_replayed_not_re_executed,
+            scopes_compare_byte_for_byte,
+            literal_hash_principal_never_meets_a_long_one,
+            path_spellings_are_one_operation,
+            waiting_is_bounded_and_leaves_the_pool_to_others,
+            busy_store_is_503_not_in_flight,
+            nested_transactions_in_the_handler_are_savepoints,
+            a_handlers_own_savepoints_never_keep_writes_of_a_final_error,
+            stricter_isolation_keeps_the_guarantees,
+            stricter_isolation_never_runs_a_finished_key_again,
+            migrations_upgrade_in_place_and_run_concurrently,
+            dropped_futures_leave_a_clean_connection,
+            an_answer_over_the_recording_limit_commits_once_and_never_runs_again,
+            a_grpc_answer_over_the_recording_limit_replays_as_already_exists,
+            an_answer_that_fails_past_the_recording_limit_commits_nothing,
+            trailers_are_recorded_and_replayed,
+            grpc_answers_are_sorted_by_their_grpc_status,
+            a_trailers_only_grpc_answer_replays_its_metadata,
+            a_replay_is_well_framed_for_every_status,
+            grpc_requests_get_trailers_only_grpc_refusals,
+            fingerprinted_headers_tell_versions_apart,
+            policies_give_records_their_own_retention_and_limits,
+        );
     };
     ($name:ident, $db:ty, matrix) => {
         $crate::conformance_suite!(@cases $name, $db, $crate::testkit::no_setup, matrix);
@@ -910,6 +1071,9 @@ macro_rules! __conformance_cases {
 macro_rules! __conformance_harness {
     (plain, $db:ty, $case:ident) => {
         $crate::testkit::Harness::<$db>::new().await
+    };
+    (at_commit, $db:ty, $case:ident) => {
+        $crate::testkit::Harness::<$db>::at_commit().await
     };
     (matrix, $db:ty, $case:ident) => {{
         let seed = $crate::testkit::environment::seed();
