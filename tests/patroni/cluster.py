@@ -12,6 +12,7 @@ etcd-server, haproxy, postgresql (.ci/run installs the first three).
     tests/patroni/cluster.py status DIR
     tests/patroni/cluster.py cut DIR NODE      # NODE's agent loses etcd
     tests/patroni/cluster.py heal DIR NODE
+    tests/patroni/cluster.py agent DIR NODE    # start NODE's agent again
     tests/patroni/cluster.py stop DIR
     tests/patroni/cluster.py run DIR [--mode …]  # start, wait for Ctrl-C, stop
 
@@ -361,6 +362,13 @@ def postmaster_pid(state, i):
 
 
 def alive(pid):
+    """Whether pid runs (a zombie nobody reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return False
+    except (OSError, IndexError):
+        pass
     try:
         os.kill(pid, 0)
         return True
@@ -368,6 +376,21 @@ def alive(pid):
         return False
     except PermissionError:
         return True
+
+
+def children(pid):
+    """The pids whose parent is pid."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
 
 
 def kill_group(pid, sig):
@@ -396,12 +419,11 @@ def stop(state):
     for i in range(len(state.get("nodes", []))):
         pm = postmaster_pid(state, i)
         if pm and alive(pm):
-            kill_group(pm, signal.SIGKILL)
-            kill_group(pm, signal.SIGKILL)
-            try:
-                os.kill(pm, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            for pid in [pm] + children(pm):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
     for k in ("haproxy", "etcd"):
         if k in pids:
             kill_group(pids[k], signal.SIGKILL)
@@ -422,7 +444,7 @@ def admin(state, command):
 
 def main():
     args = sys.argv[1:]
-    if len(args) < 2 or args[0] not in ("start", "stop", "status", "cut", "heal", "run"):
+    if len(args) < 2 or args[0] not in ("start", "stop", "status", "cut", "heal", "agent", "run"):
         print(__doc__, file=sys.stderr)
         sys.exit(2)
     cmd, d = args[0], args[1]
@@ -451,9 +473,22 @@ def main():
         stop(state)
     elif cmd == "status":
         print(json.dumps(members(state)))
+    elif len(args) < 3 or args[2] not in [f"n{i}" for i in range(NODES)]:
+        die(f"{cmd} needs a node: n0, n1 or n2")
+    elif cmd == "agent":
+        # After a SIGKILL of the agent: the server it left running (or a
+        # data directory it left) is taken over, rewound if needed.
+        name = args[2]
+        old = state["pids"].get(f"patroni_{name}")
+        if old and alive(old):
+            die(f"the agent of {name} is running (pid {old})")
+        nd = os.path.join(state["dir"], name)
+        state["pids"][f"patroni_{name}"] = spawn(
+            ["/usr/bin/patroni", os.path.join(nd, "patroni.yml")],
+            os.path.join(nd, "patroni.log"), cwd=nd, **as_postgres())
+        save(state)
+        print(state["pids"][f"patroni_{name}"])
     elif cmd in ("cut", "heal"):
-        if len(args) < 3 or args[2] not in [f"n{i}" for i in range(NODES)]:
-            die(f"{cmd} needs a node: n0, n1 or n2")
         server = f"etcd_{args[2]}/etcd"
         if cmd == "cut":
             print(admin(state, f"disable server {server}"))

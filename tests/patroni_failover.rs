@@ -1,0 +1,499 @@
+//! PostgreSQL high availability the way production runs it: a three-node
+//! Patroni cluster with etcd and HAProxy (`tests/patroni/cluster.py`), the
+//! example order service on HAProxy's write port, and clients retrying
+//! through [`IdempotentRetryLayer`] while the leader is taken away: its
+//! PostgreSQL SIGKILLed, its Patroni agent SIGKILLed, a `patronictl
+//! switchover`, its agent cut off from etcd. Each fault is one phase with
+//! keys of its own, on one cluster. Judged by rows on the final leader:
+//! one order per key, no order without its ledger row nor a ledger row
+//! without its order, every retry replays the order that exists; with
+//! `synchronous_mode: true` no answer a client was given is lost. Every
+//! attempt a client sent is recorded, so what clients see during an
+//! election (which answers, for how long) is printed for the docs.
+//!
+//! Each phase answers `PATRONI_KEYS` keys (default 12) before its fault
+//! and as many after the new leader is elected (a longer run by hand sets
+//! more); clients send new keys throughout.
+
+mod common;
+#[path = "common/orders.rs"]
+#[allow(dead_code)]
+mod orders;
+#[path = "common/patroni.rs"]
+#[allow(dead_code)]
+mod patroni;
+#[path = "common/http.rs"]
+mod http_call;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use patroni::{Cluster, Replication};
+use sqlx::PgPool;
+use tower::retry::budget::TpsBudget;
+use tower::util::BoxCloneSyncService;
+use tower::{ServiceBuilder, ServiceExt};
+use tower_idempotency::client::{
+    IdempotentRetryLayer, IntentKey, RetryBody, RetryError, RetryReport,
+};
+
+const CLIENTS: usize = 4;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+fn keys_per_phase() -> usize {
+    std::env::var("PATRONI_KEYS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(12)
+}
+
+/// One attempt as it left the client and came back.
+#[derive(Debug, Clone)]
+struct Attempt {
+    began: Instant,
+    ended: Instant,
+    /// `0`: no answer (the connection failed or the attempt timed out).
+    status: u16,
+    problem: String,
+    retry_after: bool,
+}
+
+type Log = Arc<Mutex<Vec<Attempt>>>;
+
+type Retrying = BoxCloneSyncService<http::Request<Full<Bytes>>, http::Response<RetryBody>, BoxError>;
+
+/// The client stack: the retry layer over a recorder of every attempt
+/// over hyper's client (each attempt bounded at 10 s).
+fn client(log: Log) -> Retrying {
+    let client: Client<HttpConnector, RetryBody> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let recorder = tower::service_fn(move |req: http::Request<RetryBody>| {
+        let (client, log) = (client.clone(), Arc::clone(&log));
+        async move {
+            let began = Instant::now();
+            let answer = tokio::time::timeout(Duration::from_secs(10), async {
+                let res = client.request(req).await?;
+                let (parts, body) = res.into_parts();
+                let body = body.collect().await?.to_bytes();
+                Ok::<_, BoxError>(http::Response::from_parts(parts, body))
+            })
+            .await;
+            let mut attempt = Attempt {
+                began,
+                ended: Instant::now(),
+                status: 0,
+                problem: String::new(),
+                retry_after: false,
+            };
+            let result = match answer {
+                Ok(Ok(res)) => {
+                    attempt.status = res.status().as_u16();
+                    attempt.retry_after = res.headers().contains_key(http::header::RETRY_AFTER);
+                    attempt.problem = serde_json::from_slice::<serde_json::Value>(res.body())
+                        .ok()
+                        .and_then(|v| v["type"].as_str().map(str::to_string))
+                        .unwrap_or_default();
+                    Ok(res.map(Full::new))
+                }
+                Ok(Err(e)) => {
+                    attempt.problem = "connection".into();
+                    Err(e)
+                }
+                Err(_) => {
+                    attempt.problem = "timeout".into();
+                    Err(BoxError::from("the attempt timed out"))
+                }
+            };
+            log.lock().unwrap().push(attempt);
+            result
+        }
+    });
+    let service = ServiceBuilder::new()
+        .map_err(|e: RetryError| -> BoxError { Box::new(e) })
+        .layer(
+            IdempotentRetryLayer::new()
+                .with_max_attempts(400)
+                .with_deadline(Duration::from_secs(150))
+                .with_backoff(Duration::from_millis(50), Duration::from_secs(1))
+                // Outages here are the point: the budget must not end them.
+                .with_budget(TpsBudget::new(Duration::from_secs(10), 10_000, 1000.0)),
+        )
+        .service(recorder);
+    BoxCloneSyncService::new(service)
+}
+
+/// What one logical request ended with.
+#[derive(Debug, Clone)]
+struct Outcome {
+    status: u16,
+    order_id: String,
+    replayed: bool,
+    error: String,
+}
+
+/// One order (the common `ORDER` as `user-42`) under `key`, retried by
+/// the layer.
+async fn place(svc: &Retrying, addr: &str, key: &str) -> Outcome {
+    let mut req = http::Request::post(format!("http://{addr}/orders"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .header(http::header::AUTHORIZATION, "Bearer user-42")
+        .body(Full::new(Bytes::from_static(orders::ORDER.as_bytes())))
+        .unwrap();
+    req.extensions_mut()
+        .insert(IntentKey::new(key).expect("a valid key"));
+    match svc.clone().oneshot(req).await {
+        Ok(res) => {
+            let status = res.status().as_u16();
+            let replayed = res
+                .extensions()
+                .get::<RetryReport>()
+                .is_some_and(|r| r.replayed);
+            let body = res.into_body().collect().await.map(|b| b.to_bytes());
+            let json: serde_json::Value = body
+                .as_ref()
+                .ok()
+                .and_then(|b| serde_json::from_slice(b).ok())
+                .unwrap_or_default();
+            Outcome {
+                status,
+                order_id: json["orderId"].as_str().unwrap_or_default().to_string(),
+                replayed,
+                error: body.err().map(|e| e.to_string()).unwrap_or_default(),
+            }
+        }
+        Err(e) => Outcome {
+            status: 0,
+            order_id: String::new(),
+            replayed: false,
+            error: e.to_string(),
+        },
+    }
+}
+
+/// How the leader is taken away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// SIGKILL of the leader's PostgreSQL (its agent lives on).
+    KillPostgres,
+    /// SIGKILL of the leader's Patroni agent (its PostgreSQL runs on,
+    /// unmanaged, until the agent comes back and demotes it).
+    KillAgent,
+    /// `patronictl switchover` to a replica (the synchronous standby).
+    Switchover,
+    /// The leader's agent cut off from etcd (it demotes itself).
+    CutFromEtcd,
+}
+
+/// What one phase saw.
+#[derive(Debug)]
+#[allow(dead_code)] // Read through Debug.
+struct PhaseReport {
+    fault: Fault,
+    old_leader: String,
+    new_leader: String,
+    /// From the fault until Patroni reported another leader.
+    election: Duration,
+    /// The longest time without a `201` answered, around the fault: how
+    /// long writes were unavailable to the clients.
+    outage: Duration,
+    /// Answers to attempts sent after the fault, by status and problem
+    /// type (`0 connection`: no answer).
+    answers: BTreeMap<String, usize>,
+}
+
+async fn phase(
+    cluster: &Cluster,
+    addr: &str,
+    fault: Fault,
+    n: usize,
+    keys: usize,
+    outcomes: &Arc<Mutex<HashMap<String, Vec<Outcome>>>>,
+) -> PhaseReport {
+    let old = tokio::task::block_in_place(|| cluster.leader())
+        .expect("a leader before the fault")
+        .name;
+    let log: Log = Arc::default();
+    let svc = client(Arc::clone(&log));
+    let next = Arc::new(AtomicUsize::new(0));
+    let answered = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let (svc, addr, next, answered, done, outcomes) = (
+                svc.clone(),
+                addr.to_string(),
+                Arc::clone(&next),
+                Arc::clone(&answered),
+                Arc::clone(&done),
+                Arc::clone(outcomes),
+            );
+            tokio::spawn(async move {
+                // New keys, paced, until the phase has seen the election
+                // through: a client stuck in one key's retries sends no
+                // other.
+                while !done.load(Ordering::SeqCst) {
+                    let key = format!("p{n}-k{}", next.fetch_add(1, Ordering::SeqCst));
+                    let outcome = place(&svc, &addr, &key).await;
+                    outcomes
+                        .lock()
+                        .unwrap()
+                        .entry(key)
+                        .or_default()
+                        .push(outcome);
+                    answered.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            })
+        })
+        .collect();
+    // `keys` answers before the fault; the clients then meet it, and stop
+    // once `keys` more were answered after the new leader was elected.
+    let wait_for = |count: usize| {
+        let answered = Arc::clone(&answered);
+        async move {
+            while answered.load(Ordering::SeqCst) < count {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    wait_for(keys).await;
+    let at = Instant::now();
+    let new = tokio::task::block_in_place(|| {
+        match fault {
+            Fault::KillPostgres => cluster.kill_postgres(&old),
+            Fault::KillAgent => cluster.kill_agent(&old),
+            Fault::CutFromEtcd => cluster.cut(&old),
+            Fault::Switchover => {
+                let members = cluster.members();
+                let to = members
+                    .iter()
+                    .find(|m| m.role == "sync_standby")
+                    .or_else(|| members.iter().find(|m| m.role == "replica"))
+                    .expect("a replica to switch over to");
+                cluster.switchover(&old, &to.name);
+            }
+        }
+        cluster.wait_new_leader(&old, Duration::from_secs(90))
+    });
+    let election = at.elapsed();
+    wait_for(answered.load(Ordering::SeqCst) + keys).await;
+    done.store(true, Ordering::SeqCst);
+    for c in clients {
+        c.await.unwrap();
+    }
+    tokio::task::block_in_place(|| {
+        match fault {
+            Fault::KillAgent => cluster.start_agent(&old),
+            Fault::CutFromEtcd => cluster.heal(&old),
+            Fault::KillPostgres | Fault::Switchover => {}
+        }
+        // The old leader rejoins as a replica (rewound where it diverged).
+        cluster.wait_whole(Duration::from_secs(120));
+    });
+    let log = std::mem::take(&mut *log.lock().unwrap());
+    let after: Vec<&Attempt> = log.iter().filter(|a| a.began >= at).collect();
+    let mut written: Vec<Instant> = log
+        .iter()
+        .filter(|a| a.status == 201)
+        .map(|a| a.ended)
+        .collect();
+    written.sort();
+    let outage = written
+        .windows(2)
+        .filter(|w| w[1] >= at)
+        .map(|w| w[1] - w[0])
+        .max()
+        .unwrap_or_default();
+    let mut answers = BTreeMap::new();
+    for a in &after {
+        let label = format!(
+            "{} {}{}",
+            a.status,
+            a.problem.rsplit(['#', '/']).next().unwrap_or_default(),
+            if a.retry_after { " (Retry-After)" } else { "" }
+        );
+        *answers.entry(label).or_insert(0) += 1;
+    }
+    // Answers outside the contract: anything but a 201, a retryable
+    // 503/409 with Retry-After, or no answer (the connection lost).
+    let faults: Vec<&&Attempt> = after
+        .iter()
+        .filter(|a| {
+            !(a.status == 201 || a.status == 0 || (matches!(a.status, 503 | 409) && a.retry_after))
+        })
+        .collect();
+    assert!(faults.is_empty(), "{fault:?}: answers outside the contract: {faults:#?}");
+    PhaseReport {
+        fault,
+        old_leader: old,
+        new_leader: new.name,
+        election,
+        outage,
+        answers,
+    }
+}
+
+/// What the final leader holds, against what the clients were told.
+#[derive(Debug)]
+#[allow(dead_code)] // Read through Debug.
+struct Rows {
+    keys: usize,
+    orders: i64,
+    unledgered: i64,
+    orphaned: i64,
+    /// Order ids a client was given that no longer exist.
+    lost_answers: usize,
+    /// Keys whose clients were given two different order ids.
+    two_ids: usize,
+}
+
+async fn judge(
+    cluster: &Cluster,
+    addr: &str,
+    outcomes: &Arc<Mutex<HashMap<String, Vec<Outcome>>>>,
+) -> Rows {
+    // Every key once more, after every fault: a replay of the order that
+    // exists.
+    let svc = client(Arc::default());
+    let keys: Vec<String> = outcomes.lock().unwrap().keys().cloned().collect();
+    for key in &keys {
+        let again = place(&svc, addr, key).await;
+        assert!(
+            again.status == 201 && again.replayed,
+            "{key}: the retry after the failovers is not a replay: {again:?}"
+        );
+        outcomes
+            .lock()
+            .unwrap()
+            .get_mut(key)
+            .unwrap()
+            .push(again);
+    }
+    let leader = tokio::task::block_in_place(|| cluster.leader()).expect("a final leader");
+    let pool = PgPool::connect(&cluster.url(&leader.name)).await.unwrap();
+    let one = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let orders = one("SELECT COUNT(*) FROM orders").await;
+    let unledgered = one("SELECT COUNT(*) FROM orders o WHERE NOT EXISTS \
+         (SELECT 1 FROM idempotency_records r WHERE r.resource_id = o.id)")
+    .await;
+    let orphaned = one(
+        "SELECT COUNT(*) FROM idempotency_records r WHERE r.status = 'SUCCEEDED' \
+         AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.id = r.resource_id)",
+    )
+    .await;
+    let existing: HashSet<String> = sqlx::query_scalar("SELECT id FROM orders")
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    pool.close().await;
+    let outcomes = outcomes.lock().unwrap();
+    let (mut lost_answers, mut two_ids) = (0, 0);
+    for (key, seen) in outcomes.iter() {
+        for o in seen {
+            assert_eq!((o.status, o.error.as_str()), (201, ""), "{key}: {seen:?}");
+        }
+        let distinct: HashSet<&String> = seen.iter().map(|o| &o.order_id).collect();
+        two_ids += usize::from(distinct.len() > 1);
+        lost_answers += distinct.iter().filter(|id| !existing.contains(**id)).count();
+        // The last answer is the replay after every failover: it exists.
+        assert!(
+            existing.contains(&seen.last().unwrap().order_id),
+            "{key}: {seen:?}"
+        );
+    }
+    Rows {
+        keys: outcomes.len(),
+        orders,
+        unledgered,
+        orphaned,
+        lost_answers,
+        two_ids,
+    }
+}
+
+async fn start_service(cluster: &Cluster) -> (tokio::process::Child, String) {
+    let (service, addr) = common::order_service(&cluster.write_url(), 0, &[]).await;
+    let put = http_call::http_call(
+        &addr,
+        http::Method::PUT,
+        "/stock/A-10",
+        None,
+        None,
+        r#"{"qty":1000000}"#,
+    )
+    .await;
+    assert_eq!(put.status, http::StatusCode::OK, "{put:?}");
+    (service, addr)
+}
+
+/// `synchronous_mode: true`: the leader's PostgreSQL SIGKILLed, its agent
+/// SIGKILLed, a switchover and the leader cut off from etcd, one after
+/// the other on one cluster; no answer a client was given is lost, and
+/// no key runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn synchronous_mode_loses_no_answer_through_every_kind_of_failover() {
+    let cluster = tokio::task::block_in_place(|| Cluster::start(Replication::Synchronous));
+    let (_service, addr) = start_service(&cluster).await;
+    let keys = keys_per_phase();
+    let outcomes = Arc::default();
+    let faults = [
+        Fault::KillPostgres,
+        Fault::KillAgent,
+        Fault::Switchover,
+        Fault::CutFromEtcd,
+    ];
+    for (n, fault) in faults.into_iter().enumerate() {
+        let report = phase(&cluster, &addr, fault, n, keys, &outcomes).await;
+        eprintln!("patroni, synchronous_mode: {report:?}");
+    }
+    let rows = judge(&cluster, &addr, &outcomes).await;
+    eprintln!("patroni, synchronous_mode, rows: {rows:?}");
+    assert!(rows.keys >= 2 * keys * faults.len(), "{rows:?}");
+    assert_eq!(
+        (rows.orders, rows.unledgered, rows.orphaned),
+        (rows.keys as i64, 0, 0),
+        "{rows:?}"
+    );
+    assert_eq!((rows.lost_answers, rows.two_ids), (0, 0), "{rows:?}");
+}
+
+/// Asynchronous replication: the leader's PostgreSQL SIGKILLed under
+/// load. What was lost is lost whole (an order never without its ledger
+/// row), and each lost answer is a key later answered with a second
+/// order id: counted, not forbidden.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn asynchronous_replication_keeps_orders_and_ledger_together() {
+    let cluster = tokio::task::block_in_place(|| Cluster::start(Replication::Asynchronous));
+    let (_service, addr) = start_service(&cluster).await;
+    let keys = keys_per_phase();
+    let outcomes = Arc::default();
+    let report = phase(&cluster, &addr, Fault::KillPostgres, 0, keys, &outcomes).await;
+    eprintln!("patroni, asynchronous: {report:?}");
+    let rows = judge(&cluster, &addr, &outcomes).await;
+    eprintln!("patroni, asynchronous, rows: {rows:?}");
+    assert!(rows.keys >= 2 * keys, "{rows:?}");
+    assert_eq!(
+        (rows.orders, rows.unledgered, rows.orphaned),
+        (rows.keys as i64, 0, 0),
+        "{rows:?}"
+    );
+    assert_eq!(rows.lost_answers, rows.two_ids, "{rows:?}");
+}
