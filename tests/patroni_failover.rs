@@ -497,3 +497,107 @@ async fn asynchronous_replication_keeps_orders_and_ledger_together() {
     );
     assert_eq!(rows.lost_answers, rows.two_ids, "{rows:?}");
 }
+
+/// Points 3 and 4, asynchronous replication: the leader is cut off from
+/// its replicas, answers an order (`201`, order A) and commits one more
+/// transaction (id X), then its PostgreSQL is SIGKILLed and a replica that
+/// never saw either is promoted.
+///
+/// - `txid_status(X)` on the new leader: X is from before the promotion
+///   and was never replicated; printed before and after the new leader
+///   hands out X itself, when it answers `committed` for a transaction
+///   that is not the one the old leader committed (a transaction id does
+///   not name a transaction across a failover).
+/// - The client's retry finds no record and runs afresh (order B): the
+///   answer A was lost, as asynchronous replication allows.
+/// - The old leader comes back (Patroni rewinds it with pg_rewind) and is
+///   made the leader again by a switchover: order A is gone from it, and
+///   the key replays order B, never the stale A.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rewound_primary_never_replays_a_lost_answer() {
+    let cluster = tokio::task::block_in_place(|| Cluster::start(Replication::Asynchronous));
+    let (_service, addr) = start_service(&cluster).await;
+    let svc = client(Arc::default());
+    let old = tokio::task::block_in_place(|| {
+        let old = cluster.wait_whole(Duration::from_secs(60)).name;
+        cluster.wait_caught_up(&old);
+        cluster.cut_replication(&old);
+        old
+    });
+    let a = place(&svc, &addr, "lost-1").await;
+    assert_eq!((a.status, a.replayed), (201, false), "{a:?}");
+    let (xid, before, after, new) = tokio::task::block_in_place(|| {
+        let xid: i64 = cluster
+            .query(&old, "SELECT txid_current()")
+            .expect("a transaction on the old leader")
+            .parse()
+            .expect("a transaction id");
+        cluster.kill_postgres(&old);
+        let new = cluster.wait_new_leader(&old, Duration::from_secs(90)).name;
+        let status = format!("SELECT txid_status({xid})");
+        let before = cluster.query(&new, &status);
+        // The new leader hands out transaction ids from where its replay
+        // stopped: soon X again.
+        let mut handed = 0;
+        for _ in 0..10_000 {
+            handed = cluster
+                .query(&new, "SELECT txid_current()")
+                .expect("a transaction on the new leader")
+                .parse::<i64>()
+                .expect("a transaction id");
+            if handed >= xid {
+                break;
+            }
+        }
+        assert!(handed >= xid, "the new leader never reached {xid}");
+        (xid, before, cluster.query(&new, &status), new)
+    });
+    eprintln!(
+        "patroni, txid_status({xid}) of the old leader on the new leader {new}: \
+         before it hands out {xid}: {before:?}; after: {after:?}"
+    );
+    assert!(
+        before.as_ref().is_err_and(|e| e.contains("in the future")),
+        "before the new leader reaches {xid}: {before:?}"
+    );
+    assert_eq!(
+        after.as_deref(),
+        Ok("committed"),
+        "the new leader's own transaction {xid}"
+    );
+    let b = place(&svc, &addr, "lost-1").await;
+    assert_eq!((b.status, b.replayed), (201, false), "a fresh execution: {b:?}");
+    assert_ne!(a.order_id, b.order_id, "order A was never on the new leader");
+    let rewound = tokio::task::block_in_place(|| {
+        cluster.heal_replication(&old);
+        cluster.wait_whole(Duration::from_secs(120));
+        cluster.wait_caught_up(&new);
+        let on_old = |sql: String| cluster.query(&old, &sql).expect(&sql);
+        let stale = on_old(format!(
+            "SELECT count(*) FROM orders WHERE id = '{}'",
+            a.order_id
+        ));
+        let ledger = on_old(
+            "SELECT resource_id FROM idempotency_records WHERE idem_key = 'lost-1'".to_string(),
+        );
+        cluster.switchover(&new, &old);
+        assert_eq!(
+            cluster.wait_new_leader(&new, Duration::from_secs(60)).name,
+            old
+        );
+        (stale, ledger)
+    });
+    assert_eq!(
+        rewound,
+        ("0".to_string(), b.order_id.clone()),
+        "the rewound node holds order B's ledger row, and no order A"
+    );
+    let log = std::fs::read_to_string(cluster.dir().join(&old).join("patroni.log")).unwrap();
+    assert!(log.contains("pg_rewind"), "{old} came back by pg_rewind");
+    let c = place(&svc, &addr, "lost-1").await;
+    assert_eq!(
+        (c.status, c.replayed, c.order_id.as_str()),
+        (201, true, b.order_id.as_str()),
+        "the old leader, leading again, replays order B: {c:?}"
+    );
+}

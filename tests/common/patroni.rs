@@ -193,16 +193,43 @@ impl Cluster {
     /// Runs `sql` in database `test` of node `name` with psql; its
     /// output, `None` on an error.
     pub fn psql(&self, name: &str, sql: &str) -> Option<String> {
+        self.query(name, sql).ok()
+    }
+
+    /// Runs `sql` in database `test` of node `name` with psql; its output,
+    /// or the error psql printed.
+    pub fn query(&self, name: &str, sql: &str) -> Result<String, String> {
         let bin = Path::new(self.state["bin_dir"].as_str().expect("bin_dir")).join("psql");
         let out = Command::new(bin)
             .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "test", "-XAtq"])
             .arg(format!("-p{}", self.node(name)["pg"]))
             .args(["-c", sql])
             .output()
-            .ok()?;
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+        }
+    }
+
+    /// Waits (at most 60 s) until every other node has replayed what the
+    /// leader `name` wrote so far.
+    pub fn wait_caught_up(&self, name: &str) {
+        let lsn = self
+            .psql(name, "SELECT pg_current_wal_lsn()")
+            .expect("the leader's WAL position");
+        let sql = format!("SELECT pg_last_wal_replay_lsn() >= '{lsn}'::pg_lsn");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for other in ["n0", "n1", "n2"].into_iter().filter(|n| *n != name) {
+            while self.psql(other, &sql).as_deref() != Some("t") {
+                assert!(
+                    Instant::now() < deadline,
+                    "{other} has not replayed {lsn} within 60 s"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
     }
 
     /// SIGKILLs node `name`'s PostgreSQL (the postmaster and its process
@@ -262,12 +289,24 @@ impl Cluster {
     /// Cuts node `name`'s agent off etcd (its HAProxy port to etcd is
     /// disabled and its sessions shut): it can no longer renew a key.
     pub fn cut(&self, name: &str) {
-        run(&["cut", &self.dir.to_string_lossy(), name]);
+        run(&["cut", &self.dir.to_string_lossy(), name, "etcd"]);
     }
 
     /// Gives node `name`'s agent its way to etcd back.
     pub fn heal(&self, name: &str) {
-        run(&["heal", &self.dir.to_string_lossy(), name]);
+        run(&["heal", &self.dir.to_string_lossy(), name, "etcd"]);
+    }
+
+    /// Cuts node `name` off the other members (its `connect_address`, which
+    /// they stream from): what it commits from now on reaches no replica,
+    /// while clients still reach it through the write port.
+    pub fn cut_replication(&self, name: &str) {
+        run(&["cut", &self.dir.to_string_lossy(), name, "replication"]);
+    }
+
+    /// Lets the other members reach node `name` again.
+    pub fn heal_replication(&self, name: &str) {
+        run(&["heal", &self.dir.to_string_lossy(), name, "replication"]);
     }
 
     /// The directory with every log.

@@ -5,13 +5,17 @@ One etcd (the DCS), three Patroni agents each with its own PostgreSQL data
 directory and ports, and one HAProxy with a write port (the node whose
 Patroni REST API answers 200 to /primary), a read port (/replica), and
 one etcd port per agent, through which that agent alone reaches etcd (so
-one agent can be cut off from the DCS). Debian packages: patroni,
+one agent can be cut off from the DCS: `cut DIR NODE etcd`), and one
+PostgreSQL port per node that is the node's `connect_address`, through
+which replicas stream from it and pg_rewind reads it (so a leader can be
+cut off from its replicas while clients still reach it:
+`cut DIR NODE replication`). Debian packages: patroni,
 etcd-server, haproxy, postgresql (.ci/run installs the first three).
 
     tests/patroni/cluster.py start DIR [--mode sync|async] [--timeout S]
     tests/patroni/cluster.py status DIR
-    tests/patroni/cluster.py cut DIR NODE      # NODE's agent loses etcd
-    tests/patroni/cluster.py heal DIR NODE
+    tests/patroni/cluster.py cut DIR NODE [etcd|replication]
+    tests/patroni/cluster.py heal DIR NODE [etcd|replication]
     tests/patroni/cluster.py agent DIR NODE    # start NODE's agent again
     tests/patroni/cluster.py stop DIR
     tests/patroni/cluster.py run DIR [--mode …]  # start, wait for Ctrl-C, stop
@@ -153,7 +157,8 @@ def node_yaml(state, i, sync):
         },
         "postgresql": {
             "listen": f"127.0.0.1:{n['pg']}",
-            "connect_address": f"127.0.0.1:{n['pg']}",
+            # What the other members connect to (streaming, pg_rewind).
+            "connect_address": f"127.0.0.1:{n['peer']}",
             "data_dir": os.path.join(nd, "data"),
             "bin_dir": state["bin_dir"],
             "pgpass": os.path.join(nd, "pgpass"),
@@ -212,6 +217,9 @@ def haproxy_cfg(state):
             lines.append(f"  server n{i} 127.0.0.1:{n['pg']} maxconn 100 check port {n['rest']}")
     for i, n in enumerate(state["nodes"]):
         lines += [
+            f"listen peer_n{i}",
+            f"  bind 127.0.0.1:{n['peer']}",
+            f"  server pg 127.0.0.1:{n['pg']}",
             f"listen etcd_n{i}",
             f"  bind 127.0.0.1:{n['etcd']}",
             f"  server etcd 127.0.0.1:{state['etcd_client']}",
@@ -274,7 +282,7 @@ def start(d, sync, timeout):
     os.makedirs(d, exist_ok=True)
     d = os.path.abspath(d)
     os.chmod(d, 0o755)
-    ports = free_ports(5 + 3 * NODES)
+    ports = free_ports(5 + 4 * NODES)
     state = {
         "dir": d,
         "mode": "sync" if sync else "async",
@@ -289,8 +297,8 @@ def start(d, sync, timeout):
         "pids": {},
     }
     for i in range(NODES):
-        p = ports[5 + 3 * i: 8 + 3 * i]
-        state["nodes"].append({"pg": p[0], "rest": p[1], "etcd": p[2],
+        p = ports[5 + 4 * i: 9 + 4 * i]
+        state["nodes"].append({"pg": p[0], "rest": p[1], "etcd": p[2], "peer": p[3],
                                "config": os.path.join(d, f"n{i}", "patroni.yml")})
     deadline = time.monotonic() + timeout
     try:
@@ -489,7 +497,10 @@ def main():
         save(state)
         print(state["pids"][f"patroni_{name}"])
     elif cmd in ("cut", "heal"):
-        server = f"etcd_{args[2]}/etcd"
+        what = args[3] if len(args) > 3 else "etcd"
+        if what not in ("etcd", "replication"):
+            die(f"{cmd} cuts etcd or replication, not {what}")
+        server = f"etcd_{args[2]}/etcd" if what == "etcd" else f"peer_{args[2]}/pg"
         if cmd == "cut":
             print(admin(state, f"disable server {server}"))
             print(admin(state, f"shutdown sessions server {server}"))
