@@ -17,11 +17,12 @@
 
 mod common;
 #[path = "common/orders.rs"]
-#[allow(dead_code)]
 mod orders;
 #[path = "common/patroni.rs"]
 #[allow(dead_code)]
 mod patroni;
+#[path = "common/payments.rs"]
+mod payments;
 #[path = "common/http.rs"]
 mod http_call;
 
@@ -130,22 +131,63 @@ fn client(log: Log) -> Retrying {
     BoxCloneSyncService::new(service)
 }
 
+/// What the clients send: orders to the example order service, or
+/// payments (lease mode) to the example payment service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Orders,
+    Payments,
+}
+
+impl Route {
+    fn path(self) -> &'static str {
+        match self {
+            Self::Orders => "/orders",
+            Self::Payments => "/payments",
+        }
+    }
+
+    fn body(self) -> &'static str {
+        match self {
+            Self::Orders => orders::ORDER,
+            Self::Payments => payments::PAYMENT,
+        }
+    }
+
+    /// The answer's field naming what was created.
+    fn id(self) -> &'static str {
+        match self {
+            Self::Orders => "orderId",
+            Self::Payments => "paymentId",
+        }
+    }
+
+    /// The prefix of this route's keys.
+    fn prefix(self) -> &'static str {
+        match self {
+            Self::Orders => "order",
+            Self::Payments => "pay",
+        }
+    }
+}
+
 /// What one logical request ended with.
 #[derive(Debug, Clone)]
 struct Outcome {
     status: u16,
+    /// The order's or payment's id.
     order_id: String,
     replayed: bool,
     error: String,
 }
 
-/// One order (the common `ORDER` as `user-42`) under `key`, retried by
-/// the layer.
-async fn place(svc: &Retrying, addr: &str, key: &str) -> Outcome {
-    let mut req = http::Request::post(format!("http://{addr}/orders"))
+/// One order or payment (the common `ORDER` or `PAYMENT`, as `user-42`)
+/// under `key`, retried by the layer.
+async fn place(svc: &Retrying, addr: &str, route: Route, key: &str) -> Outcome {
+    let mut req = http::Request::post(format!("http://{addr}{}", route.path()))
         .header(http::header::CONTENT_TYPE, "application/json")
         .header(http::header::AUTHORIZATION, "Bearer user-42")
-        .body(Full::new(Bytes::from_static(orders::ORDER.as_bytes())))
+        .body(Full::new(Bytes::from_static(route.body().as_bytes())))
         .unwrap();
     req.extensions_mut()
         .insert(IntentKey::new(key).expect("a valid key"));
@@ -164,7 +206,7 @@ async fn place(svc: &Retrying, addr: &str, key: &str) -> Outcome {
                 .unwrap_or_default();
             Outcome {
                 status,
-                order_id: json["orderId"].as_str().unwrap_or_default().to_string(),
+                order_id: json[route.id()].as_str().unwrap_or_default().to_string(),
                 replayed,
                 error: body.err().map(|e| e.to_string()).unwrap_or_default(),
             }
@@ -196,6 +238,7 @@ enum Fault {
 #[derive(Debug)]
 #[allow(dead_code)] // Read through Debug.
 struct PhaseReport {
+    route: Route,
     fault: Fault,
     old_leader: String,
     new_leader: String,
@@ -212,6 +255,7 @@ struct PhaseReport {
 async fn phase(
     cluster: &Cluster,
     addr: &str,
+    route: Route,
     fault: Fault,
     n: usize,
     keys: usize,
@@ -240,8 +284,12 @@ async fn phase(
                 // through: a client stuck in one key's retries sends no
                 // other.
                 while !done.load(Ordering::SeqCst) {
-                    let key = format!("p{n}-k{}", next.fetch_add(1, Ordering::SeqCst));
-                    let outcome = place(&svc, &addr, &key).await;
+                    let key = format!(
+                        "{}{n}-k{}",
+                        route.prefix(),
+                        next.fetch_add(1, Ordering::SeqCst)
+                    );
+                    let outcome = place(&svc, &addr, route, &key).await;
                     outcomes
                         .lock()
                         .unwrap()
@@ -332,12 +380,43 @@ async fn phase(
         .collect();
     assert!(faults.is_empty(), "{fault:?}: answers outside the contract: {faults:#?}");
     PhaseReport {
+        route,
         fault,
         old_leader: old,
         new_leader: new.name,
         election,
         outage,
         answers,
+    }
+}
+
+/// Every key of `route` once more, after every fault: each must replay
+/// what exists (its answer is added to the key's outcomes).
+async fn replay_all(
+    addr: &str,
+    route: Route,
+    outcomes: &Arc<Mutex<HashMap<String, Vec<Outcome>>>>,
+) {
+    let svc = client(Arc::default());
+    let keys: Vec<String> = outcomes
+        .lock()
+        .unwrap()
+        .keys()
+        .filter(|k| k.starts_with(route.prefix()))
+        .cloned()
+        .collect();
+    for key in &keys {
+        let again = place(&svc, addr, route, key).await;
+        assert!(
+            again.status == 201 && again.replayed,
+            "{key}: the retry after the failovers is not a replay: {again:?}"
+        );
+        outcomes
+            .lock()
+            .unwrap()
+            .get_mut(key)
+            .unwrap()
+            .push(again);
     }
 }
 
@@ -360,23 +439,7 @@ async fn judge(
     addr: &str,
     outcomes: &Arc<Mutex<HashMap<String, Vec<Outcome>>>>,
 ) -> Rows {
-    // Every key once more, after every fault: a replay of the order that
-    // exists.
-    let svc = client(Arc::default());
-    let keys: Vec<String> = outcomes.lock().unwrap().keys().cloned().collect();
-    for key in &keys {
-        let again = place(&svc, addr, key).await;
-        assert!(
-            again.status == 201 && again.replayed,
-            "{key}: the retry after the failovers is not a replay: {again:?}"
-        );
-        outcomes
-            .lock()
-            .unwrap()
-            .get_mut(key)
-            .unwrap()
-            .push(again);
-    }
+    replay_all(addr, Route::Orders, outcomes).await;
     let leader = tokio::task::block_in_place(|| cluster.leader()).expect("a final leader");
     let pool = PgPool::connect(&cluster.url(&leader.name)).await.unwrap();
     let one = |sql: &'static str| {
@@ -394,6 +457,7 @@ async fn judge(
     .await;
     let orphaned = one(
         "SELECT COUNT(*) FROM idempotency_records r WHERE r.status = 'SUCCEEDED' \
+         AND r.operation LIKE '%/orders' \
          AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.id = r.resource_id)",
     )
     .await;
@@ -406,7 +470,10 @@ async fn judge(
     pool.close().await;
     let outcomes = outcomes.lock().unwrap();
     let (mut lost_answers, mut two_ids) = (0, 0);
-    for (key, seen) in outcomes.iter() {
+    let orders_only = outcomes
+        .iter()
+        .filter(|(k, _)| k.starts_with(Route::Orders.prefix()));
+    for (key, seen) in orders_only.clone() {
         for o in seen {
             assert_eq!((o.status, o.error.as_str()), (201, ""), "{key}: {seen:?}");
         }
@@ -420,13 +487,49 @@ async fn judge(
         );
     }
     Rows {
-        keys: outcomes.len(),
+        keys: orders_only.count(),
         orders,
         unledgered,
         orphaned,
         lost_answers,
         two_ids,
     }
+}
+
+/// Every payment key charged once, captured once, one payment id per key
+/// (on the final leader and at the provider, the ground truth); the number
+/// of payments.
+async fn judge_payments(
+    cluster: &Cluster,
+    addr: &str,
+    provider: &payments::Provider,
+    outcomes: &Arc<Mutex<HashMap<String, Vec<Outcome>>>>,
+) -> usize {
+    replay_all(addr, Route::Payments, outcomes).await;
+    let leader = tokio::task::block_in_place(|| cluster.leader()).expect("a final leader");
+    let pool = PgPool::connect(&cluster.url(&leader.name)).await.unwrap();
+    let captured: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM payments WHERE status = 'captured'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    pool.close().await;
+    let outcomes = outcomes.lock().unwrap();
+    let mut paid = 0;
+    for (key, seen) in outcomes
+        .iter()
+        .filter(|(k, _)| k.starts_with(Route::Payments.prefix()))
+    {
+        paid += 1;
+        let ids: HashSet<&String> = seen.iter().map(|o| &o.order_id).collect();
+        assert_eq!(ids.len(), 1, "{key}: one payment id: {seen:?}");
+    }
+    assert_eq!(
+        (provider.charges().await, captured),
+        (paid, paid as i64),
+        "one charge and one captured payment per payment key"
+    );
+    paid
 }
 
 async fn start_service(cluster: &Cluster) -> (tokio::process::Child, String) {
@@ -461,9 +564,29 @@ async fn synchronous_mode_loses_no_answer_through_every_kind_of_failover() {
         Fault::CutFromEtcd,
     ];
     for (n, fault) in faults.into_iter().enumerate() {
-        let report = phase(&cluster, &addr, fault, n, keys, &outcomes).await;
+        let report = phase(&cluster, &addr, Route::Orders, fault, n, keys, &outcomes).await;
         eprintln!("patroni, synchronous_mode: {report:?}");
     }
+    // Lease mode: the payment service on the same cluster, its leader's
+    // PostgreSQL SIGKILLed under load (a lease of 3 s, so a claim whose
+    // owner lost its connection is taken over soon).
+    let provider = payments::Provider::start().await;
+    let lease = ["--lease-ms", "3000", "--provider-timeout-ms", "5000"];
+    let (_payments, pay_addr) =
+        payments::payment_service(&cluster.write_url(), &provider, &lease).await;
+    let report = phase(
+        &cluster,
+        &pay_addr,
+        Route::Payments,
+        Fault::KillPostgres,
+        faults.len(),
+        keys,
+        &outcomes,
+    )
+    .await;
+    eprintln!("patroni, synchronous_mode: {report:?}");
+    let paid = judge_payments(&cluster, &pay_addr, &provider, &outcomes).await;
+    eprintln!("patroni, synchronous_mode, payments: {paid} keys, {paid} charges");
     let rows = judge(&cluster, &addr, &outcomes).await;
     eprintln!("patroni, synchronous_mode, rows: {rows:?}");
     assert!(rows.keys >= 2 * keys * faults.len(), "{rows:?}");
@@ -485,7 +608,16 @@ async fn asynchronous_replication_keeps_orders_and_ledger_together() {
     let (_service, addr) = start_service(&cluster).await;
     let keys = keys_per_phase();
     let outcomes = Arc::default();
-    let report = phase(&cluster, &addr, Fault::KillPostgres, 0, keys, &outcomes).await;
+    let report = phase(
+        &cluster,
+        &addr,
+        Route::Orders,
+        Fault::KillPostgres,
+        0,
+        keys,
+        &outcomes,
+    )
+    .await;
     eprintln!("patroni, asynchronous: {report:?}");
     let rows = judge(&cluster, &addr, &outcomes).await;
     eprintln!("patroni, asynchronous, rows: {rows:?}");
@@ -496,6 +628,7 @@ async fn asynchronous_replication_keeps_orders_and_ledger_together() {
         "{rows:?}"
     );
     assert_eq!(rows.lost_answers, rows.two_ids, "{rows:?}");
+
 }
 
 /// Points 3 and 4, asynchronous replication: the leader is cut off from
@@ -524,7 +657,7 @@ async fn a_rewound_primary_never_replays_a_lost_answer() {
         cluster.cut_replication(&old);
         old
     });
-    let a = place(&svc, &addr, "lost-1").await;
+    let a = place(&svc, &addr, Route::Orders, "lost-1").await;
     assert_eq!((a.status, a.replayed), (201, false), "{a:?}");
     let (xid, before, after, new) = tokio::task::block_in_place(|| {
         let xid: i64 = cluster
@@ -565,7 +698,7 @@ async fn a_rewound_primary_never_replays_a_lost_answer() {
         Ok("committed"),
         "the new leader's own transaction {xid}"
     );
-    let b = place(&svc, &addr, "lost-1").await;
+    let b = place(&svc, &addr, Route::Orders, "lost-1").await;
     assert_eq!((b.status, b.replayed), (201, false), "a fresh execution: {b:?}");
     assert_ne!(a.order_id, b.order_id, "order A was never on the new leader");
     let rewound = tokio::task::block_in_place(|| {
@@ -594,10 +727,67 @@ async fn a_rewound_primary_never_replays_a_lost_answer() {
     );
     let log = std::fs::read_to_string(cluster.dir().join(&old).join("patroni.log")).unwrap();
     assert!(log.contains("pg_rewind"), "{old} came back by pg_rewind");
-    let c = place(&svc, &addr, "lost-1").await;
+    let c = place(&svc, &addr, Route::Orders, "lost-1").await;
     assert_eq!(
         (c.status, c.replayed, c.order_id.as_str()),
         (201, true, b.order_id.as_str()),
         "the old leader, leading again, replays order B: {c:?}"
     );
+}
+
+/// A write port that reaches a read-only server (as during a demotion,
+/// before HAProxy's check marks the old leader down): here the leader
+/// made read-only by default (`default_transaction_read_only`, SQLSTATE
+/// `25006` on the first write, as a hot standby answers). The answer must
+/// be a retryable `503` with `Retry-After`, nothing executed; once
+/// writable again, the same key runs once.
+///
+/// Fails today: the claim writes nothing before the handler, whose first
+/// `INSERT` meets `25006`, which `Backend::error_kind` sorts as
+/// `StoreErrorKind::Other`, so the example service answers `500`
+/// (`#internal`). Ignored until the classification is fixed (outside the
+/// tests: `src/store/postgres.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "defect: a read-only server is answered 500 (SQLSTATE 25006 sorted as Other)"]
+async fn a_read_only_leader_is_answered_503_not_500() {
+    let cluster = tokio::task::block_in_place(|| Cluster::start(Replication::Asynchronous));
+    let (_service, addr) = start_service(&cluster).await;
+    let first = place(&client(Arc::default()), &addr, Route::Orders, "writable-1").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let leader = tokio::task::block_in_place(|| cluster.leader())
+        .expect("a leader")
+        .name;
+    let set = |value: &str| {
+        let sql = format!("ALTER SYSTEM SET default_transaction_read_only = {value}");
+        tokio::task::block_in_place(|| {
+            cluster.query(&leader, &sql).expect("ALTER SYSTEM");
+            cluster
+                .query(&leader, "SELECT pg_reload_conf()")
+                .expect("reload");
+        });
+    };
+    set("on");
+    // One attempt, without the retry layer: its answer as sent.
+    let read_only = orders::order(&addr, "read-only-1")
+        .await
+        .expect("an answer");
+    set("off");
+    eprintln!(
+        "patroni, a read-only leader: {} {}",
+        read_only.status,
+        read_only.problem_type()
+    );
+    assert_eq!(read_only.status, http::StatusCode::SERVICE_UNAVAILABLE, "{read_only:?}");
+    assert!(read_only.headers.contains_key(http::header::RETRY_AFTER));
+    let svc = client(Arc::default());
+    let orders_before = 1;
+    let written = place(&svc, &addr, Route::Orders, "read-only-1").await;
+    assert_eq!((written.status, written.replayed), (201, false), "{written:?}");
+    let pool = PgPool::connect(&cluster.url(&leader)).await.unwrap();
+    let orders: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM orders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    assert_eq!(orders, orders_before + 1, "the key ran once");
 }
