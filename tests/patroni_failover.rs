@@ -16,6 +16,8 @@
 //! more); clients send new keys throughout.
 
 mod common;
+#[path = "common/http.rs"]
+mod http_call;
 #[path = "common/orders.rs"]
 mod orders;
 #[path = "common/patroni.rs"]
@@ -23,8 +25,6 @@ mod orders;
 mod patroni;
 #[path = "common/payments.rs"]
 mod payments;
-#[path = "common/http.rs"]
-mod http_call;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -69,7 +69,8 @@ struct Attempt {
 
 type Log = Arc<Mutex<Vec<Attempt>>>;
 
-type Retrying = BoxCloneSyncService<http::Request<Full<Bytes>>, http::Response<RetryBody>, BoxError>;
+type Retrying =
+    BoxCloneSyncService<http::Request<Full<Bytes>>, http::Response<RetryBody>, BoxError>;
 
 /// The client stack: the retry layer over a recorder of every attempt
 /// over hyper's client (each attempt bounded at 10 s).
@@ -378,7 +379,10 @@ async fn phase(
             !(a.status == 201 || a.status == 0 || (matches!(a.status, 503 | 409) && a.retry_after))
         })
         .collect();
-    assert!(faults.is_empty(), "{fault:?}: answers outside the contract: {faults:#?}");
+    assert!(
+        faults.is_empty(),
+        "{fault:?}: answers outside the contract: {faults:#?}"
+    );
     PhaseReport {
         route,
         fault,
@@ -411,12 +415,7 @@ async fn replay_all(
             again.status == 201 && again.replayed,
             "{key}: the retry after the failovers is not a replay: {again:?}"
         );
-        outcomes
-            .lock()
-            .unwrap()
-            .get_mut(key)
-            .unwrap()
-            .push(again);
+        outcomes.lock().unwrap().get_mut(key).unwrap().push(again);
     }
 }
 
@@ -479,7 +478,10 @@ async fn judge(
         }
         let distinct: HashSet<&String> = seen.iter().map(|o| &o.order_id).collect();
         two_ids += usize::from(distinct.len() > 1);
-        lost_answers += distinct.iter().filter(|id| !existing.contains(**id)).count();
+        lost_answers += distinct
+            .iter()
+            .filter(|id| !existing.contains(**id))
+            .count();
         // The last answer is the replay after every failover: it exists.
         assert!(
             existing.contains(&seen.last().unwrap().order_id),
@@ -628,7 +630,6 @@ async fn asynchronous_replication_keeps_orders_and_ledger_together() {
         "{rows:?}"
     );
     assert_eq!(rows.lost_answers, rows.two_ids, "{rows:?}");
-
 }
 
 /// Points 3 and 4, asynchronous replication: the leader is cut off from
@@ -699,8 +700,15 @@ async fn a_rewound_primary_never_replays_a_lost_answer() {
         "the new leader's own transaction {xid}"
     );
     let b = place(&svc, &addr, Route::Orders, "lost-1").await;
-    assert_eq!((b.status, b.replayed), (201, false), "a fresh execution: {b:?}");
-    assert_ne!(a.order_id, b.order_id, "order A was never on the new leader");
+    assert_eq!(
+        (b.status, b.replayed),
+        (201, false),
+        "a fresh execution: {b:?}"
+    );
+    assert_ne!(
+        a.order_id, b.order_id,
+        "order A was never on the new leader"
+    );
     let rewound = tokio::task::block_in_place(|| {
         cluster.heal_replication(&old);
         cluster.wait_whole(Duration::from_secs(120));
@@ -777,12 +785,20 @@ async fn a_read_only_leader_is_answered_503_not_500() {
         read_only.status,
         read_only.problem_type()
     );
-    assert_eq!(read_only.status, http::StatusCode::SERVICE_UNAVAILABLE, "{read_only:?}");
+    assert_eq!(
+        read_only.status,
+        http::StatusCode::SERVICE_UNAVAILABLE,
+        "{read_only:?}"
+    );
     assert!(read_only.headers.contains_key(http::header::RETRY_AFTER));
     let svc = client(Arc::default());
     let orders_before = 1;
     let written = place(&svc, &addr, Route::Orders, "read-only-1").await;
-    assert_eq!((written.status, written.replayed), (201, false), "{written:?}");
+    assert_eq!(
+        (written.status, written.replayed),
+        (201, false),
+        "{written:?}"
+    );
     let pool = PgPool::connect(&cluster.url(&leader)).await.unwrap();
     let orders: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM orders")
         .fetch_one(&pool)

@@ -143,8 +143,8 @@ impl Cluster {
                 .iter()
                 .filter(|m| m.role != "leader" && m.state == "running")
                 .count();
-            let sync_ok = self.state["mode"] != "sync"
-                || members.iter().any(|m| m.role == "sync_standby");
+            let sync_ok =
+                self.state["mode"] != "sync" || members.iter().any(|m| m.role == "sync_standby");
             if let Some(leader) = leader
                 && replicas == 2
                 && sync_ok
