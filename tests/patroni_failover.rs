@@ -516,9 +516,10 @@ async fn judge_payments(
             .await
             .unwrap();
     pool.close().await;
-    let outcomes = outcomes.lock().unwrap();
     let mut paid = 0;
     for (key, seen) in outcomes
+        .lock()
+        .unwrap()
         .iter()
         .filter(|(k, _)| k.starts_with(Route::Payments.prefix()))
     {
