@@ -308,7 +308,14 @@ async fn phase(
     let wait_for = |count: usize| {
         let answered = Arc::clone(&answered);
         async move {
+            // A bound far from the work (a phase answers its keys in
+            // seconds), so a broken service fails the test, not hangs it.
+            let deadline = Instant::now() + Duration::from_secs(300);
             while answered.load(Ordering::SeqCst) < count {
+                assert!(
+                    Instant::now() < deadline,
+                    "{fault:?}: {count} answers not reached in 300 s"
+                );
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
