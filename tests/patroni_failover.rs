@@ -15,6 +15,8 @@
 //! and as many after the new leader is elected (a longer run by hand sets
 //! more); clients send new keys throughout.
 
+#[path = "common/commit_hold.rs"]
+mod commit_hold;
 mod common;
 #[path = "common/http.rs"]
 mod http_call;
@@ -814,4 +816,110 @@ async fn a_read_only_leader_is_answered_503_not_500() {
         .unwrap();
     pool.close().await;
     assert_eq!(orders, orders_before + 1, "the key ran once");
+}
+
+/// Point 3, end to end: a `COMMIT` that landed on the old leader (cut off
+/// from its replicas, asynchronous replication) and whose answer is lost
+/// late, after a failover, as a partition without a reset loses it (a
+/// relay between the service and HAProxy holds the answer back, then
+/// closes the connection). By then the new leader, which never received
+/// the claim's transaction X, has handed out X itself and committed it.
+/// The layer asks `txid_status(X)` through the write port, now the new
+/// leader: the answer must not be the claim's `201` for an order that the
+/// new leader does not have (a retryable `503 #commit-unknown` is right:
+/// the retry then runs the key on the new leader).
+///
+/// Fails today: the layer takes the new leader's `committed` (its own,
+/// different transaction X) for the claim's commit and answers `201`
+/// with an order that does not exist; its retry then gets a second order
+/// id. Ignored until the layer checks that the server it asks is the one
+/// the claim ran on (`src/store/postgres.rs`, `lost_commit`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "defect: txid_status asked on a new leader confirms another transaction's commit"]
+async fn a_commit_lost_across_a_failover_is_never_confirmed_by_another_transaction() {
+    let cluster = tokio::task::block_in_place(|| Cluster::start(Replication::Asynchronous));
+    let relay = commit_hold::CommitHold::start(cluster.write_addr()).await;
+    let (_service, addr) = common::order_service(&relay.url("test"), 0, &[]).await;
+    let put = http_call::http_call(
+        &addr,
+        http::Method::PUT,
+        "/stock/A-10",
+        None,
+        None,
+        r#"{"qty":1000000}"#,
+    )
+    .await;
+    assert_eq!(put.status, http::StatusCode::OK, "{put:?}");
+    let old = tokio::task::block_in_place(|| {
+        let old = cluster.wait_whole(Duration::from_secs(60)).name;
+        cluster.wait_caught_up(&old);
+        cluster.cut_replication(&old);
+        old
+    });
+    relay.hold_next_commit();
+    let first = {
+        let addr = addr.clone();
+        tokio::spawn(async move { orders::order(&addr, "xid-1").await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !relay.holding() {
+        assert!(Instant::now() < deadline, "no COMMIT answer held in 60 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (xid, new) = tokio::task::block_in_place(|| {
+        // The claim's transaction, committed on the old leader only.
+        let xid: i64 = cluster
+            .query(
+                &old,
+                "SELECT xmin::text::bigint FROM idempotency_records WHERE idem_key = 'xid-1'",
+            )
+            .expect("the claim's row on the old leader")
+            .parse()
+            .expect("a transaction id");
+        cluster.kill_postgres(&old);
+        let new = cluster.wait_new_leader(&old, Duration::from_secs(90)).name;
+        let mut handed = 0;
+        for _ in 0..10_000 {
+            handed = cluster
+                .query(&new, "SELECT txid_current()")
+                .expect("a transaction on the new leader")
+                .parse::<i64>()
+                .expect("a transaction id");
+            if handed >= xid {
+                break;
+            }
+        }
+        assert!(handed >= xid, "the new leader never reached {xid}");
+        // The answer is lost late: once the write port reaches the new
+        // leader.
+        cluster.wait_writable(Duration::from_secs(60));
+        (xid, new)
+    });
+    relay.release();
+    let first = first.await.unwrap().expect("an answer");
+    let pool = PgPool::connect(&cluster.url(&new)).await.unwrap();
+    let order_id = first.json()["orderId"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let exists: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM orders WHERE id = $1")
+        .bind(&order_id)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    let status =
+        tokio::task::block_in_place(|| cluster.query(&new, &format!("SELECT txid_status({xid})")));
+    eprintln!(
+        "patroni, a COMMIT (transaction {xid}) lost across a failover, answered after the \
+         new leader {new} committed its own {xid} (txid_status there: {status:?}): {} {} {} \
+         (order {order_id:?} on the new leader: {exists})",
+        first.status,
+        first.problem_type(),
+        first.json()["detail"],
+    );
+    assert!(
+        first.status != http::StatusCode::CREATED || exists == 1,
+        "answered 201 for order {order_id}, which the new leader never had: {first:?}"
+    );
 }

@@ -96,6 +96,12 @@ impl Cluster {
         )
     }
 
+    /// HAProxy's write port.
+    pub fn write_addr(&self) -> std::net::SocketAddr {
+        let port = u16::try_from(self.port("write")).expect("a port");
+        std::net::SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
     /// Database `test` on node `name` directly.
     pub fn url(&self, name: &str) -> String {
         format!(
@@ -199,10 +205,29 @@ impl Cluster {
     /// Runs `sql` in database `test` of node `name` with psql; its output,
     /// or the error psql printed.
     pub fn query(&self, name: &str, sql: &str) -> Result<String, String> {
+        let port = self.node(name)["pg"].as_u64().expect("a port");
+        self.query_port(port, sql)
+    }
+
+    /// Waits (at most `within`) until HAProxy's write port reaches a
+    /// server that takes writes.
+    pub fn wait_writable(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        let sql = "SELECT NOT pg_is_in_recovery()";
+        while self.query_port(self.port("write"), sql).as_deref() != Ok("t") {
+            assert!(
+                Instant::now() < deadline,
+                "the write port reaches no leader within {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn query_port(&self, port: u64, sql: &str) -> Result<String, String> {
         let bin = Path::new(self.state["bin_dir"].as_str().expect("bin_dir")).join("psql");
         let out = Command::new(bin)
             .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "test", "-XAtq"])
-            .arg(format!("-p{}", self.node(name)["pg"]))
+            .arg(format!("-p{port}"))
             .args(["-c", sql])
             .output()
             .map_err(|e| e.to_string())?;
