@@ -161,11 +161,7 @@ fn app(pool: PgPool, route: Route) -> Router {
         Route::AtCommit => Router::new()
             .route(
                 "/orders",
-                post(layered).layer(
-                    IdempotencyLayer::new(pool.clone())
-                        .with_claim_at_commit()
-                        .expect("not in lease mode"),
-                ),
+                post(layered).layer(IdempotencyLayer::new(pool.clone()).with_claim_at_commit()),
             )
             .layer(axum::middleware::from_fn(principal))
             .with_state(pool),

@@ -59,7 +59,7 @@ async fn scope_lookups_use_the_ledger_index() {
     let h = h.with_pool(PgPool::connect_with(opts.clone()).await.unwrap());
     let body = r#"{"amount":1,"items":[]}"#;
     let claim_first = h.app();
-    let at_commit = h.app_with(h.layer().with_claim_at_commit().unwrap());
+    let at_commit = h.app_with(h.layer().with_claim_at_commit());
     for (app, key) in [(&claim_first, "first"), (&at_commit, "at-commit")] {
         for _ in 0..6 {
             let a = send(app, order(Some("user-42"), Some(key), body)).await;

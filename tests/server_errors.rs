@@ -198,13 +198,8 @@ async fn lost_races_at_commit_raise_no_server_error() {
         PgPool::connect(&url).await.unwrap(),
         PgPool::connect(&url).await.unwrap(),
     ];
-    let at_commit = |pool: &PgPool| {
-        instance_with(
-            IdempotencyLayer::new(pool.clone())
-                .with_claim_at_commit()
-                .unwrap(),
-        )
-    };
+    let at_commit =
+        |pool: &PgPool| instance_with(IdempotencyLayer::new(pool.clone()).with_claim_at_commit());
     let [a, b] = [at_commit(&pools[0]), at_commit(&pools[1])];
     const N: usize = 10;
     for i in 0..N {

@@ -680,9 +680,7 @@ impl<DB: ConformanceDb> Harness<DB> {
             .with_principal(bearer)
             .with_isolation_level(self.environment.isolation);
         if self.at_commit {
-            layer
-                .with_claim_at_commit()
-                .expect("a layer not in lease mode")
+            layer.with_claim_at_commit()
         } else {
             layer
         }
