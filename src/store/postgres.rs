@@ -652,23 +652,7 @@ fn recorded_at_commit(row: &sqlx::postgres::PgRow) -> Result<Written, sqlx::Erro
     if row.try_get::<Option<String>, _>(2)?.is_none() {
         return Ok(Written::Nothing);
     }
-    let record = record_from_row((
-        row.try_get(2)?,
-        row.try_get(3)?,
-        row.try_get(4)?,
-        row.try_get(5)?,
-        row.try_get(6)?,
-        row.try_get(7)?,
-        row.try_get(8)?,
-        row.try_get(9)?,
-        row.try_get(10)?,
-        row.try_get(11)?,
-        row.try_get(12)?,
-        row.try_get(13)?,
-        row.try_get(14)?,
-        row.try_get(15)?,
-        row.try_get(16)?,
-    ))?;
+    let record = record_at(row, 2)?;
     Ok(Written::Lost(Box::new(record)))
 }
 
@@ -741,23 +725,7 @@ async fn claim_read(
     if row.try_get::<Option<String>, _>(1)?.is_none() {
         return Ok((xid, None, schema));
     }
-    let record = record_from_row((
-        row.try_get(1)?,
-        row.try_get(2)?,
-        row.try_get(3)?,
-        row.try_get(4)?,
-        row.try_get(5)?,
-        row.try_get(6)?,
-        row.try_get(7)?,
-        row.try_get(8)?,
-        row.try_get(9)?,
-        row.try_get(10)?,
-        row.try_get(11)?,
-        row.try_get(12)?,
-        row.try_get(13)?,
-        row.try_get(14)?,
-        row.try_get(15)?,
-    ))?;
+    let record = record_at(&row, 1)?;
     Ok((xid, Some(record), schema))
 }
 
@@ -912,6 +880,29 @@ async fn lost_commit_status(pool: &Pool<Postgres>, xid: i64) -> XactStatus {
         }
         tokio::time::sleep(LOST_COMMIT_POLL).await;
     }
+}
+
+/// The scope's record in the 15 columns of `row` from `first` on, in
+/// `CLAIM_READ`'s order (status to parks).
+fn record_at(row: &sqlx::postgres::PgRow, first: usize) -> Result<super::Record, sqlx::Error> {
+    let at = |i: usize| first + i;
+    record_from_row((
+        row.try_get(at(0))?,
+        row.try_get(at(1))?,
+        row.try_get(at(2))?,
+        row.try_get(at(3))?,
+        row.try_get(at(4))?,
+        row.try_get(at(5))?,
+        row.try_get(at(6))?,
+        row.try_get(at(7))?,
+        row.try_get(at(8))?,
+        row.try_get(at(9))?,
+        row.try_get(at(10))?,
+        row.try_get(at(11))?,
+        row.try_get(at(12))?,
+        row.try_get(at(13))?,
+        row.try_get(at(14))?,
+    ))
 }
 
 #[cfg(test)]
