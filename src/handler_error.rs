@@ -96,7 +96,7 @@ impl From<sqlx::Error> for HandlerError {
         let (kind, detail) = match error_kind(&e) {
             StoreErrorKind::Busy | StoreErrorKind::LockTimeout => (
                 ProblemKind::StoreBusy,
-                "the database is busy; nothing was committed, retry with the same key",
+                "the database is busy or refuses writes for now; nothing was committed, retry with the same key",
             ),
             StoreErrorKind::ConnectionLost => (
                 ProblemKind::StoreUnavailable,

@@ -774,13 +774,10 @@ async fn a_rewound_primary_never_replays_a_lost_answer() {
 /// be a retryable `503` with `Retry-After`, nothing executed; once
 /// writable again, the same key runs once.
 ///
-/// Fails today: the claim writes nothing before the handler, whose first
-/// `INSERT` meets `25006`, which `Backend::error_kind` sorts as
-/// `StoreErrorKind::Other`, so the example service answers `500`
-/// (`#internal`). Ignored until the classification is fixed (outside the
-/// tests: `src/store/postgres.rs`).
+/// The claim writes nothing before the handler, whose first `INSERT`
+/// meets `25006`: `Backend::error_kind` sorts it as
+/// `StoreErrorKind::Busy` (it once was `Other`, answered `500`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "defect: a read-only server is answered 500 (SQLSTATE 25006 sorted as Other)"]
 async fn a_read_only_leader_is_answered_503_not_500() {
     let cluster = tokio::task::block_in_place(|| Cluster::start(Replication::Asynchronous));
     let (_service, addr) = start_service(&cluster).await;
@@ -843,13 +840,12 @@ async fn a_read_only_leader_is_answered_503_not_500() {
 /// new leader does not have (a retryable `503 #commit-unknown` is right:
 /// the retry then runs the key on the new leader).
 ///
-/// Fails today: the layer takes the new leader's `committed` (its own,
-/// different transaction X) for the claim's commit and answers `201`
-/// with an order that does not exist; its retry then gets a second order
-/// id. Ignored until the layer checks that the server it asks is the one
-/// the claim ran on (`src/store/postgres.rs`, `lost_commit`).
+/// The layer once took the new leader's `committed` (its own, different
+/// transaction X) for the claim's commit and answered `201` with an order
+/// that does not exist; its retry then got a second order id. It now
+/// trusts "committed" only when the row the claim wrote is on the server
+/// asked (`src/store/postgres.rs`, `lost_commit`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "defect: txid_status asked on a new leader confirms another transaction's commit"]
 async fn a_commit_lost_across_a_failover_is_never_confirmed_by_another_transaction() {
     let cluster = tokio::task::block_in_place(|| Cluster::start(Replication::Asynchronous));
     let relay = commit_hold::CommitHold::start(cluster.write_addr()).await;

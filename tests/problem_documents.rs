@@ -363,3 +363,50 @@ async fn a_handlers_unique_violation_on_postgres_is_final() {
     assert_eq!(doc["retryable"], false);
     assert!(!doc.to_string().contains("a@example.test"), "{doc}");
 }
+
+/// A server that refuses writes for now (a standby, a demoted leader, a
+/// replica made read-only during a switchover: SQLSTATE `25006` on
+/// PostgreSQL, error 1792 or 1290 on MySQL/MariaDB) is transient: the
+/// handler's `?` answers a retryable `503` with `Retry-After`, never a
+/// final `500` (issue 36).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[tokio::test]
+async fn a_read_only_server_is_a_retryable_503() {
+    use sqlx::Connection;
+    let mut errors = Vec::new();
+    #[cfg(feature = "postgres")]
+    {
+        let mut conn = sqlx::PgConnection::connect("postgres://postgres@127.0.0.1:5432/test")
+            .await
+            .unwrap();
+        let err = sqlx::raw_sql("BEGIN READ ONLY; CREATE TABLE read_only_probe (a INT)")
+            .execute(&mut conn)
+            .await
+            .unwrap_err();
+        errors.push(("postgres", err));
+    }
+    #[cfg(feature = "mysql")]
+    {
+        let mut conn = sqlx::MySqlConnection::connect("mysql://root@127.0.0.1:3306/test")
+            .await
+            .unwrap();
+        let err = sqlx::raw_sql(
+            "START TRANSACTION READ ONLY; CREATE TEMPORARY TABLE read_only_probe (a INT)",
+        )
+        .execute(&mut conn)
+        .await
+        .unwrap_err();
+        errors.push(("mysql", err));
+    }
+    for (store, err) in errors {
+        let res = HandlerError::from(err).into_response();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "{store}");
+        assert!(
+            res.headers().contains_key(http::header::RETRY_AFTER),
+            "{store}"
+        );
+        let bytes = res.into_body().collect().await.unwrap().to_bytes();
+        let doc: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(doc["retryable"], true, "{store}: {doc}");
+    }
+}

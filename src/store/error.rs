@@ -7,7 +7,8 @@ pub enum StoreErrorKind {
     /// A lock wait on the claimed row ran out: another transaction holds the scope.
     LockTimeout,
     /// The store is busy (SQLite's write lock, a pool with no free
-    /// connection): nothing happened, retry later.
+    /// connection, a server that refuses writes for now, as a standby or a
+    /// primary being demoted does): nothing happened, retry later.
     Busy,
     /// A serialization failure or deadlock: the transaction was rolled back.
     Conflict,

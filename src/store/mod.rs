@@ -324,7 +324,9 @@ pub trait Backend: Database {
     /// [`StoreErrorKind::ConnectionLost`], and the layer re-reads the ledger:
     /// the committed row there means the commit landed. PostgreSQL asks
     /// (the transaction's id is read by the claim, at no extra round trip,
-    /// then `txid_status`, the `pg_xact_status` of every version); SQLite
+    /// then `txid_status`, the `pg_xact_status` of every version, whose
+    /// "committed" counts only with the row the transaction wrote on the
+    /// server asked: a new leader after a failover reuses ids); SQLite
     /// and MySQL/MariaDB leave it to the ledger re-read. On any other error
     /// nothing of the transaction is committed.
     fn finish(

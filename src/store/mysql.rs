@@ -540,8 +540,11 @@ impl Backend for MySql {
             Some(1213) => StoreErrorKind::Conflict,
             // ER_SP_DOES_NOT_EXIST: "SAVEPOINT … does not exist"
             Some(1305) => StoreErrorKind::TransactionEnded,
-            // ER_CON_COUNT_ERROR
-            Some(1040) => StoreErrorKind::Busy,
+            // ER_CON_COUNT_ERROR; a server that refuses writes for now
+            // (ER_CANT_EXECUTE_IN_READ_ONLY_TRANSACTION, and
+            // ER_OPTION_PREVENTS_STATEMENT: `--read-only`, as a replica
+            // or a primary being switched over answers)
+            Some(1040 | 1792 | 1290) => StoreErrorKind::Busy,
             // server gone / lost / killed
             Some(2006 | 2013 | 1927 | 1053) => StoreErrorKind::ConnectionLost,
             _ => StoreErrorKind::Other,

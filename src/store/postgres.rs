@@ -57,14 +57,20 @@ const CLAIM_READ: &str = "SELECT txid_current_if_assigned(), r.status, r.request
 /// Waits for the scope's lock within a bound (ledger v8's function).
 const WAIT: &str = "SELECT tower_idempotency_wait($1, $2, $3)";
 
+/// The ledger table of `schema` (quoted, as the claim read it), or the one
+/// the session finds where the claim found none.
+fn ledger_table(schema: Option<&str>) -> String {
+    match schema {
+        Some(schema) => format!("{schema}.idempotency_records"),
+        None => "idempotency_records".to_owned(),
+    }
+}
+
 /// The one ledger row, written just before the COMMIT into the ledger
 /// table of `schema` (as the claim read it; unqualified where it found
 /// none), only on the transaction the claim began (`$11`, its id).
 fn record(schema: Option<&str>) -> String {
-    let table = match schema {
-        Some(schema) => format!("{schema}.idempotency_records"),
-        None => "idempotency_records".to_owned(),
-    };
+    let table = ledger_table(schema);
     format!(
         "INSERT INTO {table} (principal_id, operation, idem_key, request_fingerprint, \
          status, response_status, response_headers, response_body, resource_id, created_at, \
@@ -316,9 +322,19 @@ impl Backend for Postgres {
                 return Err(e.into());
             }
         };
+        let schema = tx.ledger_schema.take();
         match tx.commit().await {
             Ok(()) => Ok(expires_at),
-            Err(e) => lost_commit(pool, xid, expires_at, e).await,
+            Err(e) => {
+                let lost = Committing {
+                    xid,
+                    expires_at,
+                    scope: &claim.scope,
+                    schema: schema.as_deref(),
+                    mark: Mark::Answer(c),
+                };
+                lost_commit(pool, &lost, e).await
+            }
         }
     }
 
@@ -412,9 +428,18 @@ impl Backend for Postgres {
         };
         match tx.commit().await {
             Ok(()) => Ok(AtCommitOutcome::Committed(expires_at)),
-            Err(e) => lost_commit(pool, xid, expires_at, e)
-                .await
-                .map(AtCommitOutcome::Committed),
+            Err(e) => {
+                let lost = Committing {
+                    xid,
+                    expires_at,
+                    scope: &claim.scope,
+                    schema: None,
+                    mark: Mark::Answer(c),
+                };
+                lost_commit(pool, &lost, e)
+                    .await
+                    .map(AtCommitOutcome::Committed)
+            }
         }
     }
 
@@ -570,7 +595,16 @@ impl Backend for Postgres {
         };
         match tx.commit().await {
             Ok(()) => Ok(Some(expires_at)),
-            Err(e) => lost_commit(pool, xid, expires_at, e).await.map(Some),
+            Err(e) => {
+                let lost = Committing {
+                    xid,
+                    expires_at,
+                    scope,
+                    schema: None,
+                    mark: Mark::Writer,
+                };
+                lost_commit(pool, &lost, e).await.map(Some)
+            }
         }
     }
 
@@ -595,8 +629,9 @@ impl Backend for Postgres {
             "40001" | "40P01" | "23505" => StoreErrorKind::Conflict,
             // invalid_savepoint_specification, no_active_sql_transaction
             "3B001" | "25P01" => StoreErrorKind::TransactionEnded,
-            // too_many_connections
-            "53300" => StoreErrorKind::Busy,
+            // too_many_connections; read_only_sql_transaction (a standby,
+            // or a leader being demoted, refuses writes for now)
+            "53300" | "25006" => StoreErrorKind::Busy,
             // connection_exception (08…), operator intervention (57P…: terminated, shutdown).
             c if c.starts_with("08") || c.starts_with("57P") => StoreErrorKind::ConnectionLost,
             _ => StoreErrorKind::Other,
@@ -604,31 +639,102 @@ impl Backend for Postgres {
     }
 }
 
-/// The `COMMIT` of the transaction `xid`, which recorded `expires_at`,
-/// failed with `e`. A lost connection is explained by the server: it is
-/// asked what became of the transaction.
-async fn lost_commit(
-    pool: &Pool<Postgres>,
+/// A `COMMIT` whose answer may be lost: the transaction `xid` wrote the
+/// row of `scope` (in the ledger table of `schema`, as [`record`] names
+/// it), which then expires at `expires_at` and is told by `mark`.
+struct Committing<'a> {
     xid: i64,
     expires_at: i64,
+    scope: &'a Scope<'a>,
+    schema: Option<&'a str>,
+    mark: Mark<'a>,
+}
+
+/// How the row a lost `COMMIT` wrote is told from another's.
+enum Mark<'a> {
+    /// It records this answer: whoever wrote it, replaying it is giving
+    /// this answer. (The claim's row is written inside the claim's
+    /// savepoint, so its `xmin` is a subtransaction's id, not `xid`.)
+    Answer(&'a Completion<'a>),
+    /// The transaction `xid` wrote it last, outside any savepoint (a lease
+    /// phase's fenced write): its `xmin` is `xid`'s low 32 bits.
+    Writer,
+}
+
+/// The `COMMIT` of `c` failed with `e`. A lost connection is explained by
+/// the server: it is asked what became of the transaction. Its
+/// "committed" is trusted only when the row that transaction wrote is on
+/// the server asked: after a failover the write port reaches a new leader
+/// that may never have received the transaction and has since given its
+/// id to a transaction of its own (`tests/patroni_failover.rs`).
+async fn lost_commit(
+    pool: &Pool<Postgres>,
+    c: &Committing<'_>,
     e: sqlx::Error,
 ) -> Result<i64, FinishError> {
     if Postgres::error_kind(&e) != StoreErrorKind::ConnectionLost {
         return Err(FinishError::Store(e));
     }
-    let status = lost_commit_status(pool, xid).await;
+    let status = lost_commit_status(pool, c.xid).await;
     tracing::warn!(
-        xid,
+        xid = c.xid,
         xact_status = status.as_str(),
         "the connection was lost during COMMIT; the server's transaction status decides"
     );
     match status {
-        XactStatus::Committed => Ok(expires_at),
+        XactStatus::Committed if written_here(pool, c).await => Ok(c.expires_at),
+        XactStatus::Committed => {
+            tracing::warn!(
+                xid = c.xid,
+                "the server reports the transaction committed, but not the row it wrote: \
+                 another server's transaction of the same id (a failover); the ledger decides"
+            );
+            Err(FinishError::Store(e))
+        }
         XactStatus::Aborted => Err(FinishError::Aborted(e)),
         XactStatus::InProgress => Err(FinishError::InProgress(e)),
         // Too old to be known, or no answer: the layer reads the ledger.
         XactStatus::Unknown => Err(FinishError::Store(e)),
     }
+}
+
+/// Whether the scope's row on the server `pool` reaches is the one `c`
+/// wrote: its expiry, and its [`Mark`]. No such row, or no answer within
+/// [`LOST_COMMIT_WAIT`], is a "no", never a wrong "yes": the layer then
+/// reads the ledger, which answers the replay or a retryable `503`.
+async fn written_here(pool: &Pool<Postgres>, c: &Committing<'_>) -> bool {
+    let mark = match c.mark {
+        Mark::Answer(_) => {
+            "status = $5 AND response_status = $6 AND response_headers = $7 \
+             AND response_body IS NOT DISTINCT FROM $8"
+        }
+        Mark::Writer => "xmin::text = $5",
+    };
+    let sql = format!(
+        "SELECT EXISTS (SELECT 1 FROM {table} WHERE principal_id = convert_from($1, 'UTF8') \
+         COLLATE \"default\" AND operation = convert_from($2, 'UTF8') COLLATE \"default\" \
+         AND idem_key = convert_from($3, 'UTF8') COLLATE \"default\" \
+         AND expires_at = $4 AND {mark})",
+        table = ledger_table(c.schema),
+    );
+    let query = sqlx::query_scalar::<_, bool>(AssertSqlSafe(sql))
+        .persistent(false)
+        .bind(utf8(c.scope.principal))
+        .bind(utf8(c.scope.operation))
+        .bind(utf8(c.scope.key))
+        .bind(c.expires_at);
+    let query = match c.mark {
+        Mark::Answer(a) => query
+            .bind(a.status.as_str())
+            .bind(a.response_status)
+            .bind(a.response_headers)
+            .bind(a.response_body),
+        Mark::Writer => query.bind((c.xid & 0xFFFF_FFFF).to_string()),
+    };
+    matches!(
+        tokio::time::timeout(LOST_COMMIT_WAIT, query.fetch_one(pool)).await,
+        Ok(Ok(true))
+    )
 }
 
 /// What the row written at commit found.
