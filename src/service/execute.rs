@@ -173,18 +173,29 @@ impl<DB: Backend> Run<DB> {
             StoreErrorKind::Conflict => Ok(self.rolled_back(id, &e).await),
             StoreErrorKind::ConnectionLost => {
                 // The commit may or may not have landed, and the store could
-                // not tell: ask the ledger.
-                let deadline = Instant::now() + MIN_READ_WAIT;
-                match self.lookup(id, deadline, 1).await {
-                    Ok(Some((replay, IdempotencyOutcome::Replayed))) => {
-                        respond(replay.headers().get(IDEMPOTENCY_KEY_EXPIRES).cloned())
+                // not tell: ask the ledger. The handler's answer is given
+                // only when the ledger holds it; another one there (a
+                // duplicate on another instance ran the key once this
+                // transaction was gone) is the key's answer, replayed.
+                let read = DB::fetch(&self.pool, &id.scope);
+                let record = match self.within(MIN_READ_WAIT, read).await {
+                    Ok(Some(record)) => record,
+                    _ => return Ok(refuse(commit_unknown(), 1)),
+                };
+                if record.status == status
+                    && record
+                        .response_status
+                        .map(|s| record.stored_response(s))
+                        .as_ref()
+                        == Some(&stored)
+                {
+                    return respond(expiry_header(record.expires_at));
+                }
+                match self.judge(&record, id, 1) {
+                    (replay, IdempotencyOutcome::Replayed) => {
+                        Ok(buffered(replay, IdempotencyOutcome::Replayed))
                     }
-                    _ => {
-                        let detail = "the connection was lost while committing and the ledger shows no commit; retry with the same key";
-                        let problem =
-                            Problem::new(ProblemKind::CommitUnknown, detail).retry_after(1);
-                        Ok(refuse(problem, 1))
-                    }
+                    _ => Ok(refuse(commit_unknown(), 1)),
                 }
             }
             _ => Ok(refuse(store_problem::<DB>(&e), 1)),
@@ -444,4 +455,11 @@ impl<DB: Backend> Run<DB> {
 fn transaction_ended<B>() -> Response<IdempotencyBody<B>> {
     let detail = "the handler ended the idempotency transaction itself; what it committed is kept, and this key is held for reconciliation";
     refuse(Problem::new(ProblemKind::TransactionEnded, detail), 1)
+}
+
+/// A commit whose connection was lost, with no answer in the ledger to
+/// give instead.
+fn commit_unknown() -> Problem {
+    let detail = "the connection was lost while committing and the ledger shows no commit; retry with the same key";
+    Problem::new(ProblemKind::CommitUnknown, detail).retry_after(1)
 }

@@ -573,6 +573,64 @@ pub async fn lost_connection_commits_nothing_and_retry_runs_once<DB: Conformance
     assert_eq!(h.orders().await, 1);
 }
 
+/// The connection dies under the handler's transaction, and a duplicate
+/// runs the key and commits it before the first request's answer is
+/// decided: the first request is answered what the ledger holds (the
+/// duplicate's order, replayed) or a retryable `503`, never its own order,
+/// which was rolled back with its connection.
+pub async fn a_lost_transaction_never_answers_an_order_that_did_not_commit<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    if DB::LABEL == "sqlite" {
+        // An embedded database has no connection to lose.
+        return;
+    }
+    // Two instances of the service: one process's duplicates wait for its
+    // own request.
+    let (app, other) = (h.app(), h.app());
+    let body = r#"{"amount":1,"mode":"kill_first_await_duplicate"}"#;
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move { send(&app, order(ALICE, KEY, body)).await })
+    };
+    // Refused while the first holds the key (sent once its handler runs);
+    // run once its transaction is gone.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while h.executions() == 0 {
+        assert!(std::time::Instant::now() < deadline, "the first never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let duplicate = loop {
+        let r = send(&other, order(ALICE, KEY, body)).await;
+        if r.status == StatusCode::CREATED {
+            break r;
+        }
+        assert!(
+            r.status.as_u16() == 409 || r.status.as_u16() == 503,
+            "{r:?}"
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the duplicate never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(!duplicate.replayed(), "{duplicate:?}");
+    let first = first.await.unwrap();
+    assert_eq!(h.orders().await, 1, "the first order rolled back");
+    if first.status == StatusCode::CREATED {
+        assert_eq!(
+            first.json()["orderId"],
+            duplicate.json()["orderId"],
+            "the first request is told the order that committed: {first:?}"
+        );
+    } else {
+        assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{first:?}");
+        assert!(first.headers.contains_key("retry-after"));
+    }
+}
+
 /// Case: unguarded methods pass through.
 pub async fn unguarded_methods_pass_through<DB: ConformanceDb>(h: Harness<DB>) {
     // PUT is not guarded by default: no key needed, no ledger row.

@@ -260,7 +260,7 @@ async fn create_order<DB: ConformanceDb>(
         own.commit().await.unwrap();
         return (StatusCode::CREATED, Json(json!({"orderId": id}))).into_response();
     };
-    st.executions.fetch_add(1, Ordering::SeqCst);
+    let run = st.executions.fetch_add(1, Ordering::SeqCst);
     if let Some(Extension(ran)) = ran {
         ran.0.store(true, Ordering::SeqCst);
     }
@@ -488,6 +488,17 @@ async fn create_order<DB: ConformanceDb>(
         }
         "kill_connection" => {
             assert!(DB::kill_own_connection(&st.pool, &mut conn).await);
+        }
+        // The first run loses its connection, then answers only once a
+        // duplicate has committed the key (within 10 s), as a request
+        // whose transaction died while its answer was on its way.
+        "kill_first_await_duplicate" if run == 0 => {
+            assert!(DB::kill_own_connection(&st.pool, &mut conn).await);
+            let recorded = "SELECT COUNT(*) FROM idempotency_records WHERE status = 'SUCCEEDED'";
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while DB::count(&st.pool, recorded).await == 0 && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
         // The handler ends the claimed transaction itself: an explicit
         // COMMIT, then an answer the layer would roll back or record.
@@ -895,6 +906,7 @@ macro_rules! conformance_suite {
             panicking_handler_commits_nothing,
             held_transaction_handle_commits_nothing,
             lost_connection_commits_nothing_and_retry_runs_once,
+            a_lost_transaction_never_answers_an_order_that_did_not_commit,
             unguarded_methods_pass_through,
             answers_advertise_the_key_expiry,
             longest_retention_still_records_and_replays,
@@ -957,6 +969,7 @@ macro_rules! conformance_suite {
             panicking_handler_commits_nothing,
             held_transaction_handle_commits_nothing,
             lost_connection_commits_nothing_and_retry_runs_once,
+            a_lost_transaction_never_answers_an_order_that_did_not_commit,
             unguarded_methods_pass_through,
             answers_advertise_the_key_expiry,
             longest_retention_still_records_and_replays,
