@@ -49,6 +49,9 @@ pub(crate) struct Config {
     pub(crate) cached_statements: bool,
     /// See [`Backend::database`](crate::store::Backend::database).
     pub(crate) database: Option<Arc<str>>,
+    /// The claim-at-commit mode's ledger, found once
+    /// ([`Backend::find_ledger`](crate::store::Backend::find_ledger)).
+    pub(crate) found_ledger: Arc<tokio::sync::OnceCell<Option<Arc<str>>>>,
     pub(crate) max_waiting: usize,
     /// How many pooled connections each principal's requests may hold,
     /// and the slots they hold now.

@@ -114,6 +114,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 isolation: IsolationLevel::default(),
                 cached_statements,
                 database,
+                found_ledger: Arc::default(),
                 max_waiting,
                 waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
                 principal_slots: Arc::new(turns),

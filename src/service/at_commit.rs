@@ -43,7 +43,7 @@ impl<DB: Backend> Run<DB> {
             }
         }
         let left = deadline.saturating_duration_since(Instant::now());
-        let conn = match tokio::time::timeout(left, self.pool.acquire()).await {
+        let mut conn = match tokio::time::timeout(left, self.pool.acquire()).await {
             Ok(Ok(conn)) => conn,
             Ok(Err(e)) => return Claimed::Answer(refusal(store_problem::<DB>(&e), 1)),
             Err(_) => {
@@ -51,6 +51,14 @@ impl<DB: Backend> Run<DB> {
                 return Claimed::Answer(refusal(store_problem::<DB>(&e), 1));
             }
         };
+        let found = self
+            .config
+            .found_ledger
+            .get_or_try_init(|| DB::find_ledger(&mut conn))
+            .await;
+        if let Err(e) = found {
+            return Claimed::Answer(refusal(store_problem::<DB>(&e), 1));
+        }
         match DB::begin_at_commit(conn, &self.ledger_claim(id)).await {
             Ok(tx) => Claimed::Won(tx),
             Err(e) => Claimed::Answer(refusal(store_problem::<DB>(&e), 1)),

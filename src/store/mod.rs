@@ -185,7 +185,9 @@ pub struct Claim<'a> {
     pub cached_statements: bool,
     /// The database every ledger statement names, where a store names one
     /// ([`Backend::database`]: MySQL/MariaDB's, from the pool's connect
-    /// options), so that a handler's `USE` never moves the ledger.
+    /// options), so that a handler's `USE` never moves the ledger; in the
+    /// claim-at-commit mode on PostgreSQL, the ledger's schema
+    /// ([`Backend::find_ledger`]).
     pub database: Option<&'a str>,
 }
 
@@ -335,6 +337,21 @@ pub trait Backend: Database {
         claim: &Claim<'_>,
         completion: &Completion<'_>,
     ) -> impl Future<Output = Result<i64, FinishError>> + Send;
+
+    /// Where the claim-at-commit mode's row goes, asked once per layer on
+    /// a pooled connection `conn` before its first transaction begins:
+    /// PostgreSQL's ledger schema as the pool's sessions find it (the row
+    /// is written after the handler, whose `SET LOCAL search_path` must
+    /// not move it); `None` elsewhere (MySQL/MariaDB name
+    /// [`database`](Backend::database), SQLite `main`). It travels in
+    /// `Claim.database`.
+    #[doc(hidden)]
+    fn find_ledger(
+        conn: &mut Self::Connection,
+    ) -> impl Future<Output = Result<Option<Arc<str>>, sqlx::Error>> + Send {
+        let _ = conn;
+        std::future::ready(Ok(None))
+    }
 
     /// Begins the claimed transaction of the claim-at-commit mode
     /// (`IdempotencyLayer::with_claim_at_commit`) on `conn`: a transaction

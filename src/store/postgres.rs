@@ -33,26 +33,36 @@ const MIGRATIONS: &[Migration] = migrations!(
     8 => "0008_scope_lock_wait",
 );
 
+/// The schema of the ledger table the session finds (never a temporary
+/// one), quoted; `NULL` where it finds none.
+macro_rules! found_ledger {
+    () => {
+        "(SELECT quote_ident(s.nspname) FROM pg_catalog.pg_class c \
+         JOIN pg_catalog.pg_namespace s ON s.oid = c.relnamespace \
+         WHERE c.relname = 'idempotency_records' AND c.relkind IN ('r', 'p') \
+         AND s.nspname = ANY (pg_catalog.current_schemas(false)) \
+         ORDER BY pg_catalog.array_position(pg_catalog.current_schemas(false), s.nspname) LIMIT 1)"
+    };
+}
+
 /// The claim's read, prepared (round trip 2): the transaction's id when
 /// round trip 1 took the scope's lock (`NULL`: another transaction holds
 /// it), the scope's committed row, as `fetch` reads it, and the schema of
 /// the ledger table the session finds (never a temporary one), quoted, for
 /// the row written after the handler ran (which may have moved the
 /// transaction's `search_path`).
-const CLAIM_READ: &str = "SELECT txid_current_if_assigned(), r.status, r.request_fingerprint, r.response_status, \
+const CLAIM_READ: &str = concat!(
+    "SELECT txid_current_if_assigned(), r.status, r.request_fingerprint, r.response_status, \
      r.response_headers, r.response_body, r.resource_id, r.expires_at, \
      CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
      CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
-     r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8, \
-     (SELECT quote_ident(s.nspname) FROM pg_catalog.pg_class c \
-     JOIN pg_catalog.pg_namespace s ON s.oid = c.relnamespace \
-     WHERE c.relname = 'idempotency_records' AND c.relkind IN ('r', 'p') \
-     AND s.nspname = ANY (pg_catalog.current_schemas(false)) \
-     ORDER BY pg_catalog.array_position(pg_catalog.current_schemas(false), s.nspname) LIMIT 1) \
-     FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
+     r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8, ",
+    found_ledger!(),
+    " FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
      LEFT JOIN idempotency_records r \
      ON r.principal_id = convert_from($1, 'UTF8') COLLATE \"default\" AND r.operation = convert_from($2, 'UTF8') COLLATE \"default\" \
-     AND r.idem_key = convert_from($3, 'UTF8') COLLATE \"default\"";
+     AND r.idem_key = convert_from($3, 'UTF8') COLLATE \"default\""
+);
 
 /// Waits for the scope's lock within a bound (ledger v8's function).
 const WAIT: &str = "SELECT tower_idempotency_wait($1, $2, $3)";
@@ -82,7 +92,9 @@ fn record(schema: Option<&str>) -> String {
 }
 
 /// The one ledger row of the claim-at-commit mode, prepared, written
-/// just before the `COMMIT` into the ledger the transaction finds: quietly
+/// just before the `COMMIT` into the ledger table of `schema` (the one the
+/// pool's sessions find, [`Backend::find_ledger`]; a handler's
+/// `search_path` never moves it): quietly
 /// (`ON CONFLICT DO NOTHING`: a row of another request makes it write
 /// nothing, with no error in the server's log), only inside a transaction
 /// that has an id (the claimed one was given one with its `BEGIN`; a
@@ -94,30 +106,31 @@ fn record(schema: Option<&str>) -> String {
 /// trip, the scope's row as the statement's snapshot sees it (a row
 /// committed before the statement began: the replay a lost race is
 /// answered with, columns as `CLAIM_READ` reads them).
-const RECORD_AT_COMMIT: &str = concat!(
-    "WITH ins AS (INSERT INTO idempotency_records (principal_id, operation, idem_key, \
-     request_fingerprint, status, response_status, response_headers, response_body, \
-     resource_id, created_at, expires_at) SELECT convert_from($1, 'UTF8'), \
-     convert_from($2, 'UTF8'), convert_from($3, 'UTF8'), $4, $5, $6, $7, $8, \
-     convert_from($9, 'UTF8'), ",
-    now_ms!(),
-    ", ",
-    now_ms!(),
-    " + $10 WHERE txid_current_if_assigned() IS NOT NULL \
-     AND (SELECT set_config('lock_timeout', $11, true)) IS NOT NULL \
-     ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
-     RETURNING expires_at, txid_current() AS xid) \
-     SELECT ins.expires_at, ins.xid, r.status, r.request_fingerprint, r.response_status, \
-     r.response_headers, r.response_body, r.resource_id, r.expires_at, \
-     CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
-     CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
-     r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8 \
-     FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
-     LEFT JOIN ins ON true \
-     LEFT JOIN idempotency_records r ON ins.xid IS NULL \
-     AND r.principal_id = convert_from($1, 'UTF8') COLLATE \"default\" AND r.operation = convert_from($2, 'UTF8') COLLATE \"default\" \
-     AND r.idem_key = convert_from($3, 'UTF8') COLLATE \"default\""
-);
+fn record_at_commit(schema: Option<&str>) -> String {
+    format!(
+        "WITH ins AS (INSERT INTO {table} (principal_id, operation, idem_key, \
+         request_fingerprint, status, response_status, response_headers, response_body, \
+         resource_id, created_at, expires_at) SELECT convert_from($1, 'UTF8'), \
+         convert_from($2, 'UTF8'), convert_from($3, 'UTF8'), $4, $5, $6, $7, $8, \
+         convert_from($9, 'UTF8'), {now}, {now} + $10 WHERE txid_current_if_assigned() IS NOT NULL \
+         AND (SELECT set_config('lock_timeout', $11, true)) IS NOT NULL \
+         ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
+         RETURNING expires_at, txid_current() AS xid) \
+         SELECT ins.expires_at, ins.xid, r.status, r.request_fingerprint, r.response_status, \
+         r.response_headers, r.response_body, r.resource_id, r.expires_at, \
+         CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
+         CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
+         r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8 \
+         FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
+         LEFT JOIN ins ON true \
+         LEFT JOIN {table} r ON ins.xid IS NULL \
+         AND r.principal_id = convert_from($1, 'UTF8') COLLATE \"default\" \
+         AND r.operation = convert_from($2, 'UTF8') COLLATE \"default\" \
+         AND r.idem_key = convert_from($3, 'UTF8') COLLATE \"default\"",
+        table = ledger_table(schema),
+        now = now_ms!(),
+    )
+}
 
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 impl Backend for Postgres {
@@ -338,6 +351,16 @@ impl Backend for Postgres {
         }
     }
 
+    async fn find_ledger(
+        conn: &mut sqlx::PgConnection,
+    ) -> Result<Option<std::sync::Arc<str>>, sqlx::Error> {
+        let found: Option<String> = sqlx::query_scalar(concat!("SELECT ", found_ledger!()))
+            .persistent(false)
+            .fetch_one(conn)
+            .await?;
+        Ok(found.map(Into::into))
+    }
+
     async fn begin_at_commit(
         conn: PoolConnection<Self>,
         claim: &Claim<'_>,
@@ -376,7 +399,8 @@ impl Backend for Postgres {
             "{}ms",
             claim.lock_wait.as_millis().clamp(1, i32::MAX as u128)
         );
-        let written = sqlx::query(RECORD_AT_COMMIT)
+        let sql = AssertSqlSafe(record_at_commit(claim.database));
+        let written = sqlx::query(sql)
             .persistent(claim.cached_statements)
             .bind(utf8(claim.scope.principal))
             .bind(utf8(claim.scope.operation))
@@ -433,7 +457,7 @@ impl Backend for Postgres {
                     xid,
                     expires_at,
                     scope: &claim.scope,
-                    schema: None,
+                    schema: claim.database,
                     mark: Mark::Answer(c),
                 };
                 lost_commit(pool, &lost, e)
@@ -747,7 +771,7 @@ enum Written {
     Nothing,
 }
 
-/// Reads [`RECORD_AT_COMMIT`]'s one row.
+/// Reads [`record_at_commit`]'s one row.
 fn recorded_at_commit(row: &sqlx::postgres::PgRow) -> Result<Written, sqlx::Error> {
     if let (Some(expires_at), Some(xid)) = (
         row.try_get::<Option<i64>, _>(0)?,

@@ -330,7 +330,7 @@ impl ConformanceDb for sqlx::Postgres {
         let sql = format!(
             "SELECT pg_advisory_xact_lock({k1}, {k2}); \
              INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, \
-             status, created_at, expires_at) VALUES ({p}, {o}, {k}, '\\x00', 'PROCESSING', 0, 9000000000000)",
+             status, created_at, expires_at) VALUES ({p}, {o}, {k}, decode('00', 'hex'), 'PROCESSING', 0, 9000000000000)",
             p = pg_lit(principal),
             o = pg_lit(operation),
             k = pg_lit(key)

@@ -866,6 +866,12 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@cases $name, $db, $setup, plain);
     };
     ($name:ident, $db:ty, at_commit) => {
+        $crate::conformance_suite!(@at_commit_cases $name, $db, at_commit);
+    };
+    ($name:ident, $db:ty, at_commit_matrix) => {
+        $crate::conformance_suite!(@at_commit_cases $name, $db, at_commit_matrix);
+    };
+    (@at_commit_cases $name:ident, $db:ty, $harness:ident) => {
         // The cases of the claim-first suite that hold in the
         // claim-at-commit mode, judged by the rows committed (see
         // `Harness::at_commit`). Left out: lease mode's and consumers'
@@ -882,7 +888,7 @@ macro_rules! conformance_suite {
         // gRPC message is a body the test handler rejects (`415`, passed
         // through as the handler's own answer): the bound it checks is the
         // claim's wait, which this mode does not have.
-        $crate::__conformance_cases!($name, $db, $crate::testkit::no_setup, at_commit;
+        $crate::__conformance_cases!($name, $db, $crate::testkit::no_setup, $harness;
             first_request_commits_order_and_succeeded_row,
             retry_replays_byte_for_byte_without_executing,
             quoted_and_bare_key_are_the_same_key,
@@ -1086,15 +1092,26 @@ macro_rules! __conformance_harness {
     (at_commit, $db:ty, $case:ident) => {
         $crate::testkit::Harness::<$db>::at_commit().await
     };
-    (matrix, $db:ty, $case:ident) => {{
+    (matrix, $db:ty, $case:ident) => {
+        $crate::__conformance_harness!(@in_environment $db, stringify!($case))
+    };
+    (at_commit_matrix, $db:ty, $case:ident) => {{
+        // Its own pick of the environment, apart from the claim-first
+        // case's.
+        let case = concat!(stringify!($case), " at commit");
+        let mut harness = $crate::__conformance_harness!(@in_environment $db, case);
+        harness.at_commit = true;
+        harness
+    }};
+    (@in_environment $db:ty, $case:expr) => {{
         let seed = $crate::testkit::environment::seed();
         let label = <$db as $crate::testkit::ConformanceDb>::LABEL;
-        let environment = $crate::testkit::Environment::of(label, stringify!($case), seed);
+        let environment = $crate::testkit::Environment::of(label, $case, seed);
         // Printed with the case's failure: what to re-run.
         eprintln!(
             "environment matrix: {label}::{} under {environment} \
              (TOWER_IDEMPOTENCY_MATRIX_SEED={seed})",
-            stringify!($case)
+            $case
         );
         $crate::testkit::Harness::<$db>::in_environment(environment).await
     }};
