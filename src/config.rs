@@ -106,6 +106,16 @@ impl std::fmt::Debug for Config {
 }
 
 impl Config {
+    /// What every ledger statement of a claim names: the ledger found once
+    /// ([`Backend::find_ledger`](crate::store::Backend::find_ledger)), or
+    /// the pool's database.
+    pub(crate) fn ledger(&self) -> Option<&str> {
+        match self.found_ledger.get() {
+            Some(Some(found)) => Some(found),
+            _ => self.database.as_deref(),
+        }
+    }
+
     pub(crate) fn guards(&self, method: &Method, path: &str) -> bool {
         self.methods.contains(method)
             && self

@@ -330,6 +330,83 @@ async fn postgres_stricter_isolation_sees_the_commit_it_waited_for() {
     cases::stricter_isolation_storms(h.with_pool(slow_plans), 3).await;
 }
 
+/// A temporary table named like the ledger, left on a pooled connection by
+/// a handler, comes first on that session's `search_path` (`pg_temp` is
+/// searched before every schema). The claim's read names the ledger's
+/// schema, found once per layer, so it never reads the temporary table
+/// (before: the next claim on that connection read the empty temporary
+/// table, ran the handler of a finished key again, and its row then met
+/// the real one: a second execution and a `503` instead of the replay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_temporary_table_never_captures_the_ledger() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (url, _drop) = <sqlx::Postgres as ConformanceDb>::fresh_url().await;
+    let pool: Pool<sqlx::Postgres> = one_connection_pool!(sqlx::Postgres, &url, "SELECT 1");
+    tower_idempotency::migrate(&pool).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE orders (id SERIAL PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = Arc::clone(&runs);
+        move |req: Request<IdempotencyBody<String>>| {
+            let runs = Arc::clone(&runs);
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let tx = req
+                    .extensions()
+                    .get::<Tx<sqlx::Postgres>>()
+                    .cloned()
+                    .unwrap();
+                let mut conn = tx.lock().unwrap();
+                let id: i32 = sqlx::query_scalar("INSERT INTO orders DEFAULT VALUES RETURNING id")
+                    .fetch_one(&mut *conn)
+                    .await
+                    .unwrap();
+                sqlx::raw_sql(
+                    "CREATE TEMP TABLE IF NOT EXISTS idempotency_records \
+                     (LIKE public.idempotency_records INCLUDING ALL)",
+                )
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .status(201)
+                        .body(format!("order {id}"))
+                        .unwrap(),
+                )
+            }
+        }
+    };
+    let service = ServiceBuilder::new()
+        .layer(IdempotencyLayer::new(pool.clone()).unscoped())
+        .service_fn(handler);
+    let answers = send_keys(service, "p", &["k-1", "k-1", "k-1", "k-2", "k-2"]).await;
+    assert_eq!(answers[0].0, StatusCode::CREATED, "{answers:?}");
+    assert!(answers[..3].iter().all(|a| a == &answers[0]), "{answers:?}");
+    assert_eq!(answers[3].0, StatusCode::CREATED, "{answers:?}");
+    assert!(answers[3] != answers[0], "{answers:?}");
+    assert_eq!(answers[4], answers[3], "{answers:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "one execution per key");
+    let count = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(count("SELECT COUNT(*) FROM public.orders").await, 2);
+    assert_eq!(
+        count("SELECT COUNT(*) FROM public.idempotency_records").await,
+        2
+    );
+}
+
 /// Issue 33, point 2: a schema-per-tenant service whose handlers run
 /// `SET LOCAL search_path TO tenant_42, public` (the tenant's schema has a
 /// ledger table of its own) keeps every answer in the ledger the claims

@@ -51,12 +51,7 @@ impl<DB: Backend> Run<DB> {
                 return Claimed::Answer(refusal(store_problem::<DB>(&e), 1));
             }
         };
-        let found = self
-            .config
-            .found_ledger
-            .get_or_try_init(|| DB::find_ledger(&mut conn))
-            .await;
-        if let Err(e) = found {
+        if let Err(e) = self.find_ledger(&mut conn).await {
             return Claimed::Answer(refusal(store_problem::<DB>(&e), 1));
         }
         match DB::begin_at_commit(conn, &self.ledger_claim(id)).await {

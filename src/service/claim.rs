@@ -142,13 +142,14 @@ impl<DB: Backend> Run<DB> {
             None
         };
         let left = deadline.saturating_duration_since(Instant::now());
-        let conn = match tokio::time::timeout(left, self.pool.acquire()).await {
+        let mut conn = match tokio::time::timeout(left, self.pool.acquire()).await {
             Ok(conn) => conn?,
             // No connection within what is left of the wait budget: for a
             // request that met another one with its key, still in flight.
             Err(_) if contended => return Ok(Attempt::NoPermit),
             Err(_) => return Err(sqlx::Error::PoolTimedOut),
         };
+        self.find_ledger(&mut conn).await?;
         // The rest of the budget, shared by the attempts still allowed; a
         // request not yet known to wait only probes.
         let left = deadline.saturating_duration_since(Instant::now());
@@ -166,7 +167,7 @@ impl<DB: Backend> Run<DB> {
             lock_wait,
             isolation: cfg.isolation,
             cached_statements: cfg.cached_statements,
-            database: cfg.database.as_deref(),
+            database: cfg.ledger(),
         };
         // The claim runs as its own task: a caller whose deadline comes
         // first stops waiting for it (a lock wait on SQLite is its

@@ -447,10 +447,7 @@ impl<DB: Backend> Run<DB> {
             lock_wait: Duration::ZERO,
             isolation: self.config.isolation,
             cached_statements: self.config.cached_statements,
-            database: match self.config.found_ledger.get() {
-                Some(Some(found)) => Some(found),
-                _ => self.config.database.as_deref(),
-            },
+            database: self.config.ledger(),
         }
     }
 }

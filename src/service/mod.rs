@@ -524,6 +524,16 @@ impl<DB: Backend> Run<DB> {
         }
     }
 
+    /// Finds the ledger once per layer, on `conn` before its first
+    /// transaction ([`Backend::find_ledger`]).
+    pub(super) async fn find_ledger(&self, conn: &mut DB::Connection) -> Result<(), sqlx::Error> {
+        self.config
+            .found_ledger
+            .get_or_try_init(|| DB::find_ledger(conn))
+            .await
+            .map(drop)
+    }
+
     /// A store call bounded by [`read_bound`](Self::read_bound)`(wait)`;
     /// running out is a busy store, and a call with no time left is not
     /// started.

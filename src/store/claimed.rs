@@ -51,12 +51,6 @@ pub struct Claimed<DB: Database> {
     /// the claim began.
     #[cfg(feature = "postgres")]
     pub(crate) xid: Option<i64>,
-    /// The schema of the ledger table the claim read, quoted, where the
-    /// store tells it (PostgreSQL): the row written after the handler ran
-    /// goes there, whatever the handler did to the transaction's
-    /// `search_path`.
-    #[cfg(feature = "postgres")]
-    pub(crate) ledger_schema: Option<String>,
 }
 
 impl<DB: Database> std::fmt::Debug for Claimed<DB> {
@@ -101,8 +95,6 @@ impl<DB: Database> Claimed<DB> {
                 end,
                 #[cfg(feature = "postgres")]
                 xid: None,
-                #[cfg(feature = "postgres")]
-                ledger_schema: None,
             }),
             Err(e) => Err((e, conn)),
         }

@@ -185,9 +185,8 @@ pub struct Claim<'a> {
     pub cached_statements: bool,
     /// The database every ledger statement names, where a store names one
     /// ([`Backend::database`]: MySQL/MariaDB's, from the pool's connect
-    /// options), so that a handler's `USE` never moves the ledger; in the
-    /// claim-at-commit mode on PostgreSQL, the ledger's schema
-    /// ([`Backend::find_ledger`]).
+    /// options), so that a handler's `USE` never moves the ledger; on
+    /// PostgreSQL the ledger's schema ([`Backend::find_ledger`]).
     pub database: Option<&'a str>,
 }
 
@@ -338,11 +337,13 @@ pub trait Backend: Database {
         completion: &Completion<'_>,
     ) -> impl Future<Output = Result<i64, FinishError>> + Send;
 
-    /// Where the claim-at-commit mode's row goes, asked once per layer on
-    /// a pooled connection `conn` before its first transaction begins:
-    /// PostgreSQL's ledger schema as the pool's sessions find it (the row
-    /// is written after the handler, whose `SET LOCAL search_path` must
-    /// not move it); `None` elsewhere (MySQL/MariaDB name
+    /// Where a layer's ledger statements go, asked once per layer on a
+    /// pooled connection `conn` before its first claim: PostgreSQL's
+    /// ledger schema as the pool's sessions find it on their
+    /// `search_path` (never `pg_temp`; the claim's read and the row
+    /// written after the handler both name it, so neither a handler's
+    /// `SET LOCAL search_path` nor a temporary table of the same name
+    /// moves them); `None` elsewhere (MySQL/MariaDB name
     /// [`database`](Backend::database), SQLite `main`). It travels in
     /// `Claim.database`.
     #[doc(hidden)]

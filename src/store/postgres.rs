@@ -35,40 +35,39 @@ const MIGRATIONS: &[Migration] = migrations!(
 
 /// The schema of the ledger table the session finds (never a temporary
 /// one), quoted; `NULL` where it finds none.
-macro_rules! found_ledger {
-    () => {
-        "(SELECT quote_ident(s.nspname) FROM pg_catalog.pg_class c \
-         JOIN pg_catalog.pg_namespace s ON s.oid = c.relnamespace \
-         WHERE c.relname = 'idempotency_records' AND c.relkind IN ('r', 'p') \
-         AND s.nspname = ANY (pg_catalog.current_schemas(false)) \
-         ORDER BY pg_catalog.array_position(pg_catalog.current_schemas(false), s.nspname) LIMIT 1)"
-    };
-}
+const FIND_LEDGER: &str = "SELECT (SELECT quote_ident(s.nspname) FROM pg_catalog.pg_class c \
+     JOIN pg_catalog.pg_namespace s ON s.oid = c.relnamespace \
+     WHERE c.relname = 'idempotency_records' AND c.relkind IN ('r', 'p') \
+     AND s.nspname = ANY (pg_catalog.current_schemas(false)) \
+     ORDER BY pg_catalog.array_position(pg_catalog.current_schemas(false), s.nspname) LIMIT 1)";
 
-/// The claim's read, prepared (round trip 2): the transaction's id when
-/// round trip 1 took the scope's lock (`NULL`: another transaction holds
-/// it), the scope's committed row, as `fetch` reads it, and the schema of
-/// the ledger table the session finds (never a temporary one), quoted, for
-/// the row written after the handler ran (which may have moved the
-/// transaction's `search_path`).
-const CLAIM_READ: &str = concat!(
-    "SELECT txid_current_if_assigned(), r.status, r.request_fingerprint, r.response_status, \
-     r.response_headers, r.response_body, r.resource_id, r.expires_at, \
-     CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
-     CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
-     r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8, ",
-    found_ledger!(),
-    " FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
-     LEFT JOIN idempotency_records r \
-     ON r.principal_id = convert_from($1, 'UTF8') COLLATE \"default\" AND r.operation = convert_from($2, 'UTF8') COLLATE \"default\" \
-     AND r.idem_key = convert_from($3, 'UTF8') COLLATE \"default\""
-);
+/// The claim's read, prepared (round trip 2), of the ledger table of
+/// `schema` (the one the pool's sessions find, [`Backend::find_ledger`]:
+/// never a temporary one, whatever the session's `search_path`): the
+/// transaction's id when round trip 1 took the scope's lock (`NULL`:
+/// another transaction holds it), and the scope's committed row, as
+/// `fetch` reads it.
+fn claim_read_sql(schema: Option<&str>) -> String {
+    format!(
+        "SELECT txid_current_if_assigned(), r.status, r.request_fingerprint, r.response_status, \
+         r.response_headers, r.response_body, r.resource_id, r.expires_at, \
+         CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
+         CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
+         r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8 \
+         FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
+         LEFT JOIN {table} r \
+         ON r.principal_id = convert_from($1, 'UTF8') COLLATE \"default\" \
+         AND r.operation = convert_from($2, 'UTF8') COLLATE \"default\" \
+         AND r.idem_key = convert_from($3, 'UTF8') COLLATE \"default\"",
+        table = ledger_table(schema),
+    )
+}
 
 /// Waits for the scope's lock within a bound (ledger v8's function).
 const WAIT: &str = "SELECT tower_idempotency_wait($1, $2, $3)";
 
-/// The ledger table of `schema` (quoted, as the claim read it), or the one
-/// the session finds where the claim found none.
+/// The ledger table of `schema` (quoted, as [`Backend::find_ledger`]
+/// found it), or the one the session finds where none was found.
 fn ledger_table(schema: Option<&str>) -> String {
     match schema {
         Some(schema) => format!("{schema}.idempotency_records"),
@@ -77,8 +76,7 @@ fn ledger_table(schema: Option<&str>) -> String {
 }
 
 /// The one ledger row, written just before the COMMIT into the ledger
-/// table of `schema` (as the claim read it; unqualified where it found
-/// none), only on the transaction the claim began (`$11`, its id).
+/// table of `schema` (as the claim read it), only on the transaction the claim began (`$11`, its id).
 fn record(schema: Option<&str>) -> String {
     let table = ledger_table(schema);
     format!(
@@ -205,7 +203,7 @@ impl Backend for Postgres {
         let mut waited = false;
         let outcome = loop {
             let read = claim_read(&mut tx, claim).await;
-            let (xid, record, schema) = match read {
+            let (xid, record) = match read {
                 Ok(read) => read,
                 Err(e) => {
                     tx.discard();
@@ -216,7 +214,6 @@ impl Backend for Postgres {
                 (_, Some(record)) => break ClaimOutcome::Lost(Some(Box::new(record))),
                 (Some(xid), None) if fresh => {
                     tx.xid = Some(xid);
-                    tx.ledger_schema = schema;
                     return Ok(ClaimOutcome::Won(tx));
                 }
                 // Ours, on a snapshot that may precede the last holder's
@@ -293,7 +290,7 @@ impl Backend for Postgres {
             tx.discard();
             return Err(e.into());
         }
-        let sql = AssertSqlSafe(record(tx.ledger_schema.as_deref()));
+        let sql = AssertSqlSafe(record(claim.database));
         let inserted: Result<Option<i64>, _> = sqlx::query_scalar(sql)
             .persistent(claim.cached_statements)
             .bind(utf8(claim.scope.principal))
@@ -335,7 +332,6 @@ impl Backend for Postgres {
                 return Err(e.into());
             }
         };
-        let schema = tx.ledger_schema.take();
         match tx.commit().await {
             Ok(()) => Ok(expires_at),
             Err(e) => {
@@ -343,7 +339,7 @@ impl Backend for Postgres {
                     xid,
                     expires_at,
                     scope: &claim.scope,
-                    schema: schema.as_deref(),
+                    schema: claim.database,
                     mark: Mark::Answer(c),
                 };
                 lost_commit(pool, &lost, e).await
@@ -354,10 +350,11 @@ impl Backend for Postgres {
     async fn find_ledger(
         conn: &mut sqlx::PgConnection,
     ) -> Result<Option<std::sync::Arc<str>>, sqlx::Error> {
-        let found: Option<String> = sqlx::query_scalar(concat!("SELECT ", found_ledger!()))
-            .persistent(false)
-            .fetch_one(conn)
-            .await?;
+        // The simple protocol, one message: outside a transaction, an
+        // unnamed statement's Parse and Bind may reach two server
+        // connections behind a transaction-mode pooler (PgBouncer).
+        let row = sqlx::raw_sql(FIND_LEDGER).fetch_one(conn).await?;
+        let found: Option<String> = row.try_get(0)?;
         Ok(found.map(Into::into))
     }
 
@@ -842,8 +839,8 @@ fn begin_locked(isolation: IsolationLevel, k1: i32, k2: i32) -> String {
 async fn claim_read(
     tx: &mut Claimed<Postgres>,
     claim: &Claim<'_>,
-) -> Result<(Option<i64>, Option<Record>, Option<String>), sqlx::Error> {
-    let row = sqlx::query(CLAIM_READ)
+) -> Result<(Option<i64>, Option<Record>), sqlx::Error> {
+    let row = sqlx::query(AssertSqlSafe(claim_read_sql(claim.database)))
         .persistent(claim.cached_statements)
         .bind(utf8(claim.scope.principal))
         .bind(utf8(claim.scope.operation))
@@ -851,12 +848,11 @@ async fn claim_read(
         .fetch_one(&mut **tx)
         .await?;
     let xid = row.try_get::<Option<i64>, _>(0)?;
-    let schema = row.try_get::<Option<String>, _>(16)?;
     if row.try_get::<Option<String>, _>(1)?.is_none() {
-        return Ok((xid, None, schema));
+        return Ok((xid, None));
     }
     let record = record_at(&row, 1)?;
-    Ok((xid, Some(record), schema))
+    Ok((xid, Some(record)))
 }
 
 /// How lease and operator statements take their values (bound
