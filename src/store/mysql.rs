@@ -222,8 +222,10 @@ impl Backend for MySql {
         // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, record,
         // read the expiry, commit, and turn autocommit back on. The read
-        // fails (a scalar subquery of two rows) when the recorded row is
-        // missing, so the COMMIT never runs without it. On any error the
+        // fails (a scalar subquery of two rows) when the `UPDATE` changed
+        // no row (`ROW_COUNT()`, the view named once more would cost the
+        // server a subquery each), so the COMMIT never runs without the
+        // recorded row. On any error the
         // transaction is rolled back (`END_CLAIM`, which restores
         // autocommit; a `ROLLBACK` after a `COMMIT` that landed finds no
         // transaction and does nothing), or the connection closed. A
@@ -248,8 +250,8 @@ impl Backend for MySql {
              response_headers = X'{}', response_body = X'{}', resource_id = {resource} \
              WHERE {row}; \
              {pinned}SELECT (SELECT expires_at FROM {recorded} \
-             UNION ALL SELECT -1 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded}) \
-             UNION ALL SELECT -2 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {recorded})), \
+             UNION ALL SELECT -1 FROM DUAL WHERE ROW_COUNT() < 1 \
+             UNION ALL SELECT -2 FROM DUAL WHERE ROW_COUNT() < 1), \
              {CHAINS}; {commit}",
             c.response_status,
             hex(c.response_headers),
