@@ -297,43 +297,69 @@ impl Backend for MySql {
     }
 
     async fn finish_at_commit(
-        pool: &Pool<Self>,
+        _pool: &Pool<Self>,
         mut tx: Claimed<Self>,
         claim: &Claim<'_>,
         c: &Completion<'_>,
     ) -> Result<AtCommitOutcome, FinishError> {
         // One round trip: (undo the business writes,) prove the claimed
         // transaction is still ours by releasing its savepoint, insert the
-        // scope's row (its lock wait bounded for the insert alone), take
-        // the savepoint again; then `finish`'s batch records the answer on
-        // that row and commits. A duplicate key is the driver's
-        // unique-violation signal, which MySQL/MariaDB do not log; nothing
-        // of the transaction commits then.
-        let sql = format!(
-            "{}; {}INTO idempotency_records \
-             (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
-             VALUES (X'{}', X'{}', X'{}', X'{}', 'PROCESSING', {now}, {now} + {}); {}",
-            Savepoint::get().release(c.status),
-            bounded_insert(claim),
+        // scope's finished row (its lock wait bounded for the insert
+        // alone), read its expiry, commit, and turn autocommit back on: one
+        // ledger write. A duplicate key is the driver's unique-violation
+        // signal, which MySQL/MariaDB do not log; the batch stops at it, so
+        // nothing of the transaction commits. The read needs no guard: the
+        // row was inserted by the statement before it, in the same batch.
+        let resource = c.resource_id.map_or_else(
+            || "NULL".to_string(),
+            |id| format!("CONVERT(X'{}' USING utf8mb4)", hex(id.as_bytes())),
+        );
+        let (principal, operation, key) = (
             hex(claim.scope.principal.as_bytes()),
             hex(claim.scope.operation.as_bytes()),
             hex(claim.scope.key.as_bytes()),
-            hex(claim.fingerprint),
-            claim.retention_ms,
-            Savepoint::get().take,
+        );
+        let sql = format!(
+            "{release}; {insert}INTO idempotency_records \
+             (principal_id, operation, idem_key, request_fingerprint, status, response_status, \
+             response_headers, response_body, resource_id, created_at, expires_at) \
+             VALUES (X'{principal}', X'{operation}', X'{key}', X'{fingerprint}', '{status}', \
+             {response_status}, X'{headers}', X'{body}', {resource}, {now}, {now} + {retention}); \
+             {pinned}SELECT expires_at, {CHAINS} FROM idempotency_records \
+             WHERE principal_id = X'{principal}' AND operation = X'{operation}' \
+             AND idem_key = X'{key}'; {commit}",
+            release = Savepoint::get().release(c.status),
+            insert = bounded_insert(claim),
+            fingerprint = hex(claim.fingerprint),
+            status = c.status.as_str(),
+            response_status = c.response_status,
+            headers = hex(c.response_headers),
+            body = hex(c.response_body),
+            retention = claim.retention_ms,
             now = now_ms!(),
+            pinned = pinned!(),
+            commit = commit!(),
         );
         let sql = in_ledger(&sql, claim.database);
-        if let Err(e) = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await {
-            tx.rollback().await;
-            return match e.as_database_error() {
-                Some(d) if d.is_unique_violation() => Ok(AtCommitOutcome::Lost(None)),
-                _ => Err(e.into()),
-            };
+        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
+            Ok(rows) => match expiry(&rows) {
+                Ok((expires_at, chains)) => {
+                    ended(tx, chains).await;
+                    Ok(AtCommitOutcome::Committed(expires_at))
+                }
+                Err(e) => {
+                    ended(tx, true).await;
+                    Err(committed_unread(e).into())
+                }
+            },
+            Err(e) => {
+                tx.rollback().await;
+                match e.as_database_error() {
+                    Some(d) if d.is_unique_violation() => Ok(AtCommitOutcome::Lost(None)),
+                    _ => Err(maybe_committed(e).into()),
+                }
+            }
         }
-        Self::finish(pool, tx, claim, c)
-            .await
-            .map(AtCommitOutcome::Committed)
     }
 
     async fn check_savepoint(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
