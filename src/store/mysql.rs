@@ -232,10 +232,7 @@ impl Backend for MySql {
         // connection lost during the COMMIT is left to the layer's re-read
         // of the ledger (`FinishError::Store`).
         let release = Savepoint::get().release(c.status);
-        let resource = c.resource_id.map_or_else(
-            || "NULL".to_string(),
-            |id| format!("CONVERT(X'{}' USING utf8mb4)", hex(id.as_bytes())),
-        );
+        let resource = resource_literal(c);
         let row = format!(
             "principal_id = X'{}' AND operation = X'{}' AND idem_key = X'{}'",
             hex(scope.principal.as_bytes()),
@@ -260,25 +257,8 @@ impl Backend for MySql {
             commit = commit!(),
         );
         let sql = in_ledger(&sql, claim.database);
-        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
-            // The batch ran to its end, so the read found the recorded
-            // row and the COMMIT ran: a read that cannot be decoded never
-            // becomes "nothing was recorded".
-            Ok(rows) => match expiry(&rows) {
-                Ok((expires_at, chains)) => {
-                    ended(tx, chains).await;
-                    Ok(expires_at)
-                }
-                Err(e) => {
-                    ended(tx, true).await;
-                    Err(committed_unread(e).into())
-                }
-            },
-            Err(e) => {
-                tx.rollback().await;
-                Err(maybe_committed(e).into())
-            }
-        }
+        let ran = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await;
+        settle_recording(tx, ran).await
     }
 
     async fn begin_at_commit(
@@ -310,10 +290,7 @@ impl Backend for MySql {
         // signal, which MySQL/MariaDB do not log; the batch stops at it, so
         // nothing of the transaction commits. The read needs no guard: the
         // row was inserted by the statement before it, in the same batch.
-        let resource = c.resource_id.map_or_else(
-            || "NULL".to_string(),
-            |id| format!("CONVERT(X'{}' USING utf8mb4)", hex(id.as_bytes())),
-        );
+        let resource = resource_literal(c);
         let (principal, operation, key) = (
             hex(claim.scope.principal.as_bytes()),
             hex(claim.scope.operation.as_bytes()),
@@ -341,25 +318,17 @@ impl Backend for MySql {
             commit = commit!(),
         );
         let sql = in_ledger(&sql, claim.database);
-        match sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await {
-            Ok(rows) => match expiry(&rows) {
-                Ok((expires_at, chains)) => {
-                    ended(tx, chains).await;
-                    Ok(AtCommitOutcome::Committed(expires_at))
-                }
-                Err(e) => {
-                    ended(tx, true).await;
-                    Err(committed_unread(e).into())
-                }
-            },
-            Err(e) => {
-                tx.rollback().await;
-                match e.as_database_error() {
-                    Some(d) if d.is_unique_violation() => Ok(AtCommitOutcome::Lost(None)),
-                    _ => Err(maybe_committed(e).into()),
-                }
-            }
+        let ran = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await;
+        if let Err(e) = &ran
+            && e.as_database_error()
+                .is_some_and(|d| d.is_unique_violation())
+        {
+            tx.rollback().await;
+            return Ok(AtCommitOutcome::Lost(None));
         }
+        settle_recording(tx, ran)
+            .await
+            .map(AtCommitOutcome::Committed)
     }
 
     async fn check_savepoint(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
@@ -681,6 +650,41 @@ async fn ended(tx: Claimed<MySql>, chains: bool) {
             .await;
     } else {
         tx.ended_by_batch();
+    }
+}
+
+/// A resource id as a character literal (hex digits), or `NULL`.
+fn resource_literal(c: &Completion<'_>) -> String {
+    c.resource_id.map_or_else(
+        || "NULL".to_string(),
+        |id| format!("CONVERT(X'{}' USING utf8mb4)", hex(id.as_bytes())),
+    )
+}
+
+/// Settles a batch that records an answer, reads its expiry and commits:
+/// the expiry when it ran to its end (so the `COMMIT` ran; a read that
+/// cannot be decoded never becomes "nothing was recorded"); otherwise the
+/// transaction is rolled back and the error says whether the `COMMIT` may
+/// have run ([`maybe_committed`]).
+async fn settle_recording(
+    tx: Claimed<MySql>,
+    ran: Result<Vec<sqlx::mysql::MySqlRow>, sqlx::Error>,
+) -> Result<i64, FinishError> {
+    match ran {
+        Ok(rows) => match expiry(&rows) {
+            Ok((expires_at, chains)) => {
+                ended(tx, chains).await;
+                Ok(expires_at)
+            }
+            Err(e) => {
+                ended(tx, true).await;
+                Err(committed_unread(e).into())
+            }
+        },
+        Err(e) => {
+            tx.rollback().await;
+            Err(maybe_committed(e).into())
+        }
     }
 }
 
