@@ -52,6 +52,9 @@ pub(crate) struct Config {
     /// The claim-at-commit mode's ledger, found once
     /// ([`Backend::find_ledger`](crate::store::Backend::find_ledger)).
     pub(crate) found_ledger: Arc<tokio::sync::OnceCell<Option<Arc<str>>>>,
+    /// Whether claims wait for the cluster, found once
+    /// ([`Backend::causal_wait`](crate::store::Backend::causal_wait)).
+    pub(crate) found_causal_wait: Arc<tokio::sync::OnceCell<bool>>,
     pub(crate) max_waiting: usize,
     /// How many pooled connections each principal's requests may hold,
     /// and the slots they hold now.
@@ -114,6 +117,13 @@ impl Config {
             Some(Some(found)) => Some(found),
             _ => self.database.as_deref(),
         }
+    }
+
+    /// Whether a claim waits for the cluster: as found once
+    /// ([`Backend::causal_wait`](crate::store::Backend::causal_wait)), and
+    /// until then, or where nothing was asked, yes.
+    pub(crate) fn causal_wait(&self) -> bool {
+        self.found_causal_wait.get().copied().unwrap_or(true)
     }
 
     pub(crate) fn guards(&self, method: &Method, path: &str) -> bool {

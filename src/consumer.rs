@@ -416,6 +416,7 @@ impl<DB: Backend> Consumer<DB> {
             isolation: self.isolation,
             cached_statements: self.cached_statements,
             database: self.database.as_deref(),
+            causal_wait: true,
         };
         match DB::finish(&self.pool, tx, &claim, &done).await {
             Ok(_) => {
@@ -482,6 +483,7 @@ impl<DB: Backend> Consumer<DB> {
                 isolation: self.isolation,
                 cached_statements: self.cached_statements,
                 database: self.database.as_deref(),
+                causal_wait: true,
             };
             // The wait for the claim's task is bounded here, whatever the
             // store's own lock wait granularity (SQLite's busy timeout,

@@ -218,6 +218,7 @@ impl<DB: Backend> KeyStatus<DB> {
             isolation: self.config.isolation,
             cached_statements: self.config.cached_statements,
             database: self.config.database.as_deref(),
+            causal_wait: self.config.causal_wait(),
         };
         let conn = match tokio::time::timeout(PROBE_WAIT * 5, self.pool.acquire()).await {
             Ok(conn) => conn?,

@@ -115,6 +115,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 cached_statements,
                 database,
                 found_ledger: Arc::default(),
+                found_causal_wait: Arc::default(),
                 max_waiting,
                 waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
                 principal_slots: Arc::new(turns),

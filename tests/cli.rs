@@ -557,6 +557,7 @@ async fn unresolved_and_show_print_scopes_whole_and_escaped<DB: Store>() {
         isolation: Default::default(),
         cached_statements: true,
         database: database.as_deref(),
+        causal_wait: true,
     };
     DB::mark_unresolved(&pool, &claim, 500).await.unwrap();
     let table = cli(&url, &["unresolved"]).await;
@@ -603,6 +604,7 @@ async fn a_quoted_key_is_read_as_sent_and_an_ambiguous_one_is_never_resolved<DB:
             isolation: Default::default(),
             cached_statements: true,
             database: database.as_deref(),
+            causal_wait: true,
         };
         DB::mark_unresolved(&pool, &claim, 500).await.unwrap();
     }

@@ -8,6 +8,8 @@
 //! `GALERA_ROUNDS` (default 6) sets how many rounds of the concurrent case
 //! run; one round in three runs with both cores kept busy.
 
+#[path = "common/causal_wait.rs"]
+mod causal_wait;
 mod common;
 #[path = "common/galera.rs"]
 mod galera;
@@ -430,6 +432,15 @@ async fn galera_cluster_keeps_one_effect_per_key() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(6);
     let mut cluster = cluster;
+    // A claim on a Galera node still waits for what the cluster committed
+    // before it (its table-less `SELECT` beside the recording's read); a
+    // server that is not a node is not asked to (`tests/round_trips.rs`).
+    cluster.create_database("causal");
+    assert_eq!(
+        causal_wait::selects_per_first_execution(&cluster.url(0, "causal")).await,
+        2,
+        "the causal wait and the recording batch's read"
+    );
     let (mut refused, mut faults) = (0, Vec::new());
     for round in 0..rounds {
         let _load = (round % 3 == 2).then(Load::start);

@@ -254,6 +254,7 @@ async fn a_lease_write_behind_a_held_row_waits_within_its_bound() {
         isolation: IsolationLevel::ReadCommitted,
         cached_statements: true,
         database: None,
+        causal_wait: true,
     };
     assert!(
         sqlx::Postgres::lease_claim(&pool, &claim, 30_000, "c1")

@@ -168,6 +168,7 @@ impl<DB: Backend> Run<DB> {
             isolation: cfg.isolation,
             cached_statements: cfg.cached_statements,
             database: cfg.ledger(),
+            causal_wait: cfg.causal_wait(),
         };
         // The claim runs as its own task: a caller whose deadline comes
         // first stops waiting for it (a lock wait on SQLite is its

@@ -448,6 +448,7 @@ impl<DB: Backend> Run<DB> {
             isolation: self.config.isolation,
             cached_statements: self.config.cached_statements,
             database: self.config.ledger(),
+            causal_wait: self.config.causal_wait(),
         }
     }
 }

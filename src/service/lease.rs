@@ -82,6 +82,7 @@ impl<DB: Backend> Run<DB> {
                 isolation: cfg.isolation,
                 cached_statements: cfg.cached_statements,
                 database: cfg.database.as_deref(),
+                causal_wait: cfg.causal_wait(),
             };
             let claim_id = new_claim_id(id.fingerprint.as_bytes());
             let owning = Owning::Claim {

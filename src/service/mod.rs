@@ -524,12 +524,17 @@ impl<DB: Backend> Run<DB> {
         }
     }
 
-    /// Finds the ledger once per layer, on `conn` before its first
-    /// transaction ([`Backend::find_ledger`]).
+    /// Finds the ledger, and whether claims wait for the cluster, once per
+    /// layer, on `conn` before its first transaction
+    /// ([`Backend::find_ledger`], [`Backend::causal_wait`]).
     pub(super) async fn find_ledger(&self, conn: &mut DB::Connection) -> Result<(), sqlx::Error> {
         self.config
             .found_ledger
-            .get_or_try_init(|| DB::find_ledger(conn))
+            .get_or_try_init(|| DB::find_ledger(&mut *conn))
+            .await?;
+        self.config
+            .found_causal_wait
+            .get_or_try_init(|| DB::causal_wait(conn))
             .await
             .map(drop)
     }

@@ -188,6 +188,11 @@ pub struct Claim<'a> {
     /// options), so that a handler's `USE` never moves the ledger; on
     /// PostgreSQL the ledger's schema ([`Backend::find_ledger`]).
     pub database: Option<&'a str>,
+    /// Whether the claim first waits until the server has applied what
+    /// its cluster committed before it (MySQL/MariaDB: a Galera node's
+    /// causal wait); `false` only where the server was found not to be a
+    /// Galera node ([`Backend::causal_wait`]). Ignored by other stores.
+    pub causal_wait: bool,
 }
 
 /// Whether `pool`'s connections keep sqlx's statement cache (its default).
@@ -352,6 +357,19 @@ pub trait Backend: Database {
     ) -> impl Future<Output = Result<Option<Arc<str>>, sqlx::Error>> + Send {
         let _ = conn;
         std::future::ready(Ok(None))
+    }
+
+    /// Whether a claim on the server `conn` reaches must first wait for
+    /// what its cluster committed before it ([`Claim::causal_wait`]),
+    /// asked once per layer beside [`find_ledger`](Backend::find_ledger):
+    /// on MySQL/MariaDB whether the server is a Galera node; `true`
+    /// elsewhere.
+    #[doc(hidden)]
+    fn causal_wait(
+        conn: &mut Self::Connection,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send {
+        let _ = conn;
+        std::future::ready(Ok(true))
     }
 
     /// Begins the claimed transaction of the claim-at-commit mode

@@ -65,8 +65,11 @@ const CHAINS: &str = "CAST(@@SESSION.completion_type <> 'NO_CHAIN' AS SIGNED)";
 
 /// On a Galera node: waits until the node has applied what the cluster
 /// committed before it (reads, updates, deletes, inserts), for one
-/// table-less read (MariaDB waits only outside a transaction). Nothing on
-/// other servers; MySQL reads the `/*M!…*/` form as a comment.
+/// table-less read (MariaDB waits only outside a transaction). Sent only
+/// where [`Claim::causal_wait`] asks for it: a layer that found its server
+/// is not a Galera node leaves it out (it costs such a server about 40 µs
+/// per claim, docs/performance.md); MySQL reads the `/*M!…*/` form as a
+/// comment.
 const SYNC_READ: &str = concat!(
     "/*M!100301 SET STATEMENT wsrep_sync_wait = 15, ",
     pinned_vars!(),
@@ -331,6 +334,18 @@ impl Backend for MySql {
             .map(AtCommitOutcome::Committed)
     }
 
+    async fn causal_wait(conn: &mut sqlx::MySqlConnection) -> Result<bool, sqlx::Error> {
+        // Only a Galera node has `wsrep_on` set (globally: a session may
+        // turn it off for itself). A server without the variable (MySQL,
+        // a MariaDB built without Galera) is none.
+        let sql = concat!(pinned!(), "SELECT CAST(@@GLOBAL.wsrep_on AS SIGNED)");
+        match sqlx::raw_sql(sql).fetch_one(conn).await {
+            Ok(row) => Ok(row.try_get::<i64, _>(0)? != 0),
+            Err(e) if number(&e) == Some(1193) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
     async fn check_savepoint(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
         sqlx::raw_sql(Savepoint::get().undo.as_str())
             .execute(conn)
@@ -592,7 +607,7 @@ async fn begin_claimed(
         isolation = claim.isolation.as_sql(),
     );
     let sql = in_ledger(&sql, claim.database);
-    let waits = !NO_SYNC_WAIT.load(Ordering::Relaxed);
+    let waits = claim.causal_wait && !NO_SYNC_WAIT.load(Ordering::Relaxed);
     let first = if waits {
         format!("{SYNC_READ}{sql}")
     } else {

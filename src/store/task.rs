@@ -153,6 +153,7 @@ pub(crate) struct OwnedClaim {
     isolation: IsolationLevel,
     cached_statements: bool,
     database: Option<Arc<str>>,
+    causal_wait: bool,
 }
 
 impl OwnedClaim {
@@ -167,6 +168,7 @@ impl OwnedClaim {
             isolation: claim.isolation,
             cached_statements: claim.cached_statements,
             database: claim.database.map(Arc::from),
+            causal_wait: claim.causal_wait,
         }
     }
 
@@ -183,6 +185,7 @@ impl OwnedClaim {
             isolation: self.isolation,
             cached_statements: self.cached_statements,
             database: self.database.as_deref(),
+            causal_wait: self.causal_wait,
         }
     }
 }
