@@ -391,15 +391,7 @@ async fn postgres_a_temporary_table_never_captures_the_ledger() {
     assert!(answers[3] != answers[0], "{answers:?}");
     assert_eq!(answers[4], answers[3], "{answers:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 2, "one execution per key");
-    let count = |sql: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(sql)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }
-    };
+    let count = |sql| <sqlx::Postgres as ConformanceDb>::count(&pool, sql);
     assert_eq!(count("SELECT COUNT(*) FROM public.orders").await, 2);
     assert_eq!(
         count("SELECT COUNT(*) FROM public.idempotency_records").await,
@@ -480,15 +472,7 @@ async fn postgres_a_handlers_search_path_never_moves_the_ledger() {
     assert!(answers.iter().all(|a| a == &answers[0]), "{answers:?}");
     assert_eq!(answers[0].0, StatusCode::CREATED);
     assert_eq!(runs.load(Ordering::SeqCst), 1, "one execution");
-    let count = |sql: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(sql)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }
-    };
+    let count = |sql| <sqlx::Postgres as ConformanceDb>::count(&pool, sql);
     assert_eq!(count("SELECT COUNT(*) FROM public.orders").await, 1);
     assert_eq!(
         count("SELECT COUNT(*) FROM public.idempotency_records").await,
@@ -555,12 +539,11 @@ async fn sqlite_a_temporary_table_never_captures_the_ledger() {
         "{answers:?}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 2, "one execution per key");
-    let succeeded: i64 = sqlx::query_scalar(
+    let succeeded = <sqlx::Sqlite as ConformanceDb>::count(
+        &pool,
         "SELECT COUNT(*) FROM main.idempotency_records WHERE status = 'SUCCEEDED'",
     )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    .await;
     assert_eq!(succeeded, 2);
 }
 
@@ -631,15 +614,7 @@ async fn mysql_session_keeps_the_ledger(statement: &'static str) -> Vec<(StatusC
     );
     // Judged on a connection in the server's default session.
     let judge = sqlx::MySqlPool::connect(&url).await.unwrap();
-    let count = |sql: &'static str| {
-        let judge = judge.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(sql)
-                .fetch_one(&judge)
-                .await
-                .unwrap()
-        }
-    };
+    let count = |sql| <sqlx::MySql as ConformanceDb>::count(&judge, sql);
     let orders = count("SELECT COUNT(*) FROM orders").await;
     let succeeded =
         count("SELECT COUNT(*) FROM idempotency_records WHERE status = 'SUCCEEDED'").await;

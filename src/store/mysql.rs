@@ -236,12 +236,7 @@ impl Backend for MySql {
         // of the ledger (`FinishError::Store`).
         let release = Savepoint::get().release(c.status);
         let resource = resource_literal(c);
-        let row = format!(
-            "principal_id = X'{}' AND operation = X'{}' AND idem_key = X'{}'",
-            hex(scope.principal.as_bytes()),
-            hex(scope.operation.as_bytes()),
-            hex(scope.key.as_bytes()),
-        );
+        let row = DIALECT.scope(&mut Args::new(), scope);
         let status = c.status.as_str();
         let recorded = format!("idempotency_records WHERE {row} AND status = '{status}'");
         let sql = format!(
@@ -305,9 +300,9 @@ impl Backend for MySql {
              response_headers, response_body, resource_id, created_at, expires_at) \
              VALUES (X'{principal}', X'{operation}', X'{key}', X'{fingerprint}', '{status}', \
              {response_status}, X'{headers}', X'{body}', {resource}, {now}, {now} + {retention}); \
-             {pinned}SELECT expires_at, {CHAINS} FROM idempotency_records \
-             WHERE principal_id = X'{principal}' AND operation = X'{operation}' \
-             AND idem_key = X'{key}'; {commit}",
+             {pinned}SELECT expires_at, {CHAINS} FROM idempotency_records WHERE {row}; \
+             {commit}",
+            row = DIALECT.scope(&mut Args::new(), &claim.scope),
             release = Savepoint::get().release(c.status),
             insert = bounded_insert(claim),
             fingerprint = hex(claim.fingerprint),

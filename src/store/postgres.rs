@@ -76,7 +76,8 @@ fn ledger_table(schema: Option<&str>) -> String {
 }
 
 /// The one ledger row, written just before the COMMIT into the ledger
-/// table of `schema` (as the claim read it), only on the transaction the claim began (`$11`, its id).
+/// table of `schema` (as the claim read it), only on the transaction the
+/// claim began (`$11`, its id).
 fn record(schema: Option<&str>) -> String {
     let table = ledger_table(schema);
     format!(
