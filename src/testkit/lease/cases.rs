@@ -286,20 +286,23 @@ pub async fn lease_concurrent_takeovers_exactly_one_wins<DB: ConformanceDb>(h: H
 /// meanwhile waits and gets `409`, it does not take over.
 pub async fn lease_is_renewed_during_a_long_step<DB: ConformanceDb>(h: Harness<DB>) {
     // The call outlasts the lease five times over; the step's own timeout
-    // is longer still.
-    let mode = LeaseMode::new(Duration::from_millis(300))
+    // is longer still. A lease of a second (renewed every third of it)
+    // keeps two thirds of it to spare for a renewal that a busy machine
+    // delays; the duplicate comes after two leases, when only renewals
+    // can have kept it.
+    let mode = LeaseMode::new(Duration::from_secs(1))
         .expect("a usable lease")
-        .with_step_timeout(Duration::from_secs(5))
+        .with_step_timeout(Duration::from_secs(10))
         .expect("a usable lease");
     let app = h.pay_app(mode, Duration::from_millis(300)).await;
     app.state
         .provider
-        .fault(Fault::ChargeThenHang(Duration::from_millis(1500)));
+        .fault(Fault::ChargeThenHang(Duration::from_secs(5)));
     let first = {
         let router = app.router.clone();
         tokio::spawn(async move { send(&router, payment("pay-1", PAY)).await })
     };
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let dup = send(
         &app.instance(&h, Duration::from_millis(300)),
         payment("pay-1", PAY),
