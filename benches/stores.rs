@@ -7,9 +7,9 @@
 //! - **bare**: the handler's own transaction;
 //! - **the design by hand**: the statements the layer sends for a first
 //!   execution, sent by the bench itself with nothing of the layer's Rust
-//!   around them (SQLite: `BEGIN IMMEDIATE`, the claim's row inserted,
-//!   a savepoint, the handler, the savepoint released, the row updated
-//!   with the answer, `COMMIT`; MariaDB: the claim's one batch in place of
+//!   around them (SQLite: `BEGIN IMMEDIATE`, the claim's row inserted
+//!   and a savepoint in one call, the handler, the savepoint released and
+//!   the row updated with the answer in one call, `COMMIT`; MariaDB: the claim's one batch in place of
 //!   the `BEGIN` with the row inserted and the savepoint, the handler, and
 //!   the answer's update, its read and the `COMMIT` in one batch): the
 //!   floor of the design, what no implementation of it can go below;
@@ -129,6 +129,20 @@ where
     F: Fn(u64) -> Fut + Clone + Send + 'static,
     Fut: Future<Output = ()> + Send,
 {
+    run_for(PHASE, tally, cpu, concurrency, call).await
+}
+
+/// [`run`] for `phase`.
+async fn run_for<F, Fut>(
+    phase: Duration,
+    tally: &mut Tally,
+    cpu: (&str, &str),
+    concurrency: usize,
+    call: F,
+) where
+    F: Fn(u64) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
     let next = Arc::new(AtomicU64::new(0));
     let before = cpu_now(cpu.0, cpu.1);
     let started = Instant::now();
@@ -137,7 +151,7 @@ where
             let (call, next) = (call.clone(), Arc::clone(&next));
             tokio::spawn(async move {
                 let mut done = 0u64;
-                while started.elapsed() < PHASE {
+                while started.elapsed() < phase {
                     call(next.fetch_add(1, Ordering::Relaxed)).await;
                     done += 1;
                 }
@@ -152,6 +166,24 @@ where
     let after = cpu_now(cpu.0, cpu.1);
     tally.process_us += after.0 - before.0;
     tally.db_us += after.1 - before.1;
+}
+
+/// `TI_BENCH_PROFILE=bare|floor|one|layer|commit` (with `TI_BENCH_CLIENTS`,
+/// default 8, `TI_BENCH_SECS`, default 10, and `TI_BENCH_STORE=sqlite|mysql`):
+/// one route alone, its row printed, for `perf record` beside it.
+fn profile() -> Option<(String, usize, u64)> {
+    let route = std::env::var("TI_BENCH_PROFILE").ok()?;
+    let num = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    Some((
+        route,
+        num("TI_BENCH_CLIENTS", 8) as usize,
+        num("TI_BENCH_SECS", 10),
+    ))
 }
 
 /// The routes of one store at one concurrency, as table rows.
@@ -222,7 +254,27 @@ macro_rules! measure {
         let layered = layered!($db, pool, false);
         let at_commit = layered!($db, pool, true);
         layered("replayed".to_string(), 0).await;
-        for conc in CONCURRENCY {
+        if let Some((route, conc, secs)) = profile() {
+            // One route alone, for `perf record` beside it.
+            let mut t = Tally::default();
+            let phase = Duration::from_secs(secs);
+            match route.as_str() {
+                "bare" => run_for(phase, &mut t, $cpu, conc, $bare.clone()).await,
+                "floor" => run_for(phase, &mut t, $cpu, conc, $design.clone()).await,
+                "one" => run_for(phase, &mut t, $cpu, conc, $one_row.clone()).await,
+                "layer" => {
+                    let first = layered.clone();
+                    run_for(phase, &mut t, $cpu, conc, move |i| first(fresh_key(i), i)).await
+                }
+                "commit" => {
+                    let first = at_commit.clone();
+                    run_for(phase, &mut t, $cpu, conc, move |i| first(fresh_key(i), i)).await
+                }
+                other => panic!("TI_BENCH_PROFILE: no route {other}"),
+            }
+            print_rows($store, conc, &[(route.as_str(), t)]);
+        }
+        for conc in CONCURRENCY.into_iter().filter(|_| profile().is_none()) {
             let mut t = [Tally::default(); 6];
             for _ in 0..ROUNDS {
                 run(&mut t[0], $cpu, conc, $bare.clone()).await;
@@ -260,9 +312,14 @@ async fn main() {
         "| store | clients | route | req/s | ratio to bare | bench process µs | database µs | CPU ratio to bare |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    sqlite().await;
+    let only = std::env::var("TI_BENCH_STORE").unwrap_or_default();
+    if only != "mysql" {
+        sqlite().await;
+    }
     #[cfg(feature = "mysql")]
-    mysql().await;
+    if only != "sqlite" {
+        mysql().await;
+    }
 }
 
 async fn sqlite() {
@@ -317,7 +374,8 @@ async fn sqlite() {
                     "INSERT INTO main.idempotency_records (principal_id, operation, idem_key, \
                      request_fingerprint, status, created_at, expires_at) VALUES (?, ?, ?, ?, \
                      'PROCESSING', {NOW}, {NOW} + ?) \
-                     ON CONFLICT (principal_id, operation, idem_key) DO NOTHING"
+                     ON CONFLICT (principal_id, operation, idem_key) DO NOTHING; \
+                     SAVEPOINT bench"
                 );
                 let done = sqlx::query(sqlx::AssertSqlSafe(claim))
                     .bind("user-42")
@@ -329,22 +387,15 @@ async fn sqlite() {
                     .await
                     .unwrap();
                 assert_eq!(done.rows_affected(), 1);
-                sqlx::raw_sql("SAVEPOINT bench")
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
                 for sql in business(i) {
                     sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
                         .execute(&mut *tx)
                         .await
                         .unwrap();
                 }
-                sqlx::raw_sql("RELEASE SAVEPOINT bench")
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
                 let _: i64 = sqlx::query_scalar(
-                    "UPDATE main.idempotency_records SET status = ?, response_status = ?, \
+                    "RELEASE SAVEPOINT bench; \
+                     UPDATE main.idempotency_records SET status = ?, response_status = ?, \
                      response_headers = ?, response_body = ?, resource_id = ? \
                      WHERE principal_id = ? AND operation = ? AND idem_key = ? RETURNING expires_at",
                 )

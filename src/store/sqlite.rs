@@ -9,8 +9,8 @@ use super::lease::{Args, Dialect, commit_if_written};
 use super::literal::x_literal;
 use super::{
     AtCommitOutcome, Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError,
-    IsolationLevel, LeaseWrite, Migration, Savepoint, Scope, StoreErrorKind, generic_error_kind,
-    migrations, run_migrations, shared_statements,
+    IsolationLevel, LeaseWrite, Migration, RecordStatus, Savepoint, Scope, StoreErrorKind,
+    generic_error_kind, migrations, run_migrations, shared_statements,
 };
 
 /// The database clock, epoch milliseconds.
@@ -29,6 +29,94 @@ const MIGRATIONS: &[Migration] = migrations!(
     5 => "0005_claim_fence",
     6 => "0006_operator_audit",
 );
+
+/// The statements that carry the claim's savepoint, built once per process
+/// (the savepoint's name is the process's). Each is one call to sqlx's
+/// worker thread, and every call inside `BEGIN IMMEDIATE` holds SQLite's
+/// one writer for every other request.
+struct Statements {
+    /// The claim's row, then the savepoint (taken even when no row was
+    /// inserted; that transaction is rolled back).
+    claim: String,
+    /// The claim's row updated with the answer.
+    record: AfterRelease,
+    /// The claim-at-commit mode's one row, quietly: `RETURNING` gives
+    /// nothing when a row already holds the scope.
+    record_at_commit: AfterRelease,
+}
+
+/// A recording statement behind what opens a recording
+/// ([`Savepoint::release`]): the savepoint released, which fails when the
+/// handler ended the claimed transaction, and for a final failure the
+/// business writes undone first.
+struct AfterRelease {
+    released: String,
+    undone: String,
+}
+
+impl AfterRelease {
+    fn new(savepoint: &Savepoint, statement: &str) -> Self {
+        Self {
+            released: format!(
+                "{}; {statement}",
+                savepoint.release(RecordStatus::Succeeded)
+            ),
+            undone: format!(
+                "{}; {statement}",
+                savepoint.release(RecordStatus::FailedFinal)
+            ),
+        }
+    }
+
+    fn for_status(&self, status: RecordStatus) -> AssertSqlSafe<&str> {
+        AssertSqlSafe(if status == RecordStatus::FailedFinal {
+            &self.undone
+        } else {
+            &self.released
+        })
+    }
+}
+
+fn statements() -> &'static Statements {
+    static STATEMENTS: std::sync::OnceLock<Statements> = std::sync::OnceLock::new();
+    STATEMENTS.get_or_init(|| {
+        let savepoint = Savepoint::get();
+        Statements {
+            claim: format!(
+                concat!(
+                    "INSERT INTO main.idempotency_records \
+                     (principal_id, operation, idem_key, request_fingerprint, status, created_at, \
+                     expires_at) VALUES (?, ?, ?, ?, 'PROCESSING', ",
+                    now_ms!(),
+                    ", ",
+                    now_ms!(),
+                    " + ?) ON CONFLICT (principal_id, operation, idem_key) DO NOTHING; {}"
+                ),
+                savepoint.take
+            ),
+            record: AfterRelease::new(
+                savepoint,
+                "UPDATE main.idempotency_records SET status = ?, response_status = ?, \
+                 response_headers = ?, response_body = ?, resource_id = ? \
+                 WHERE principal_id = ? AND operation = ? AND idem_key = ? RETURNING expires_at",
+            ),
+            record_at_commit: AfterRelease::new(
+                savepoint,
+                concat!(
+                    "INSERT INTO main.idempotency_records \
+                     (principal_id, operation, idem_key, request_fingerprint, status, \
+                     response_status, response_headers, response_body, resource_id, created_at, \
+                     expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ",
+                    now_ms!(),
+                    ", ",
+                    now_ms!(),
+                    " + ?) ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
+                     RETURNING expires_at"
+                ),
+            ),
+        }
+    })
+}
 
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 impl Backend for Sqlite {
@@ -57,33 +145,18 @@ impl Backend for Sqlite {
         claim: &Claim<'_>,
     ) -> Result<ClaimOutcome<Self>, sqlx::Error> {
         let mut tx = begin_immediate(conn).await?;
-        let inserted = sqlx::query(concat!(
-            "INSERT INTO main.idempotency_records \
-             (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) \
-             VALUES (?, ?, ?, ?, 'PROCESSING', ",
-            now_ms!(),
-            ", ",
-            now_ms!(),
-            " + ?) ON CONFLICT (principal_id, operation, idem_key) DO NOTHING"
-        ))
-        .bind(claim.scope.principal)
-        .bind(claim.scope.operation)
-        .bind(claim.scope.key)
-        .bind(claim.fingerprint)
-        .bind(claim.retention_ms)
-        .execute(&mut *tx)
-        .await;
+        // The row and the savepoint in one call to sqlx's worker thread:
+        // every call inside `BEGIN IMMEDIATE` holds SQLite's one writer.
+        let inserted = sqlx::query(AssertSqlSafe(statements().claim.as_str()))
+            .bind(claim.scope.principal)
+            .bind(claim.scope.operation)
+            .bind(claim.scope.key)
+            .bind(claim.fingerprint)
+            .bind(claim.retention_ms)
+            .execute(&mut *tx)
+            .await;
         match inserted {
-            Ok(done) if done.rows_affected() == 1 => {
-                if let Err(e) = sqlx::raw_sql(Savepoint::get().take.as_str())
-                    .execute(&mut *tx)
-                    .await
-                {
-                    tx.rollback().await;
-                    return Err(e);
-                }
-                Ok(ClaimOutcome::Won(tx))
-            }
+            Ok(done) if done.rows_affected() == 1 => Ok(ClaimOutcome::Won(tx)),
             Ok(_) => {
                 tx.rollback().await;
                 Ok(ClaimOutcome::Lost(None))
@@ -105,35 +178,24 @@ impl Backend for Sqlite {
         // An embedded database has no round trips to save: prove the
         // claimed transaction is still ours, record with parameters, commit.
         // No connection to lose: every error is a `FinishError::Store`.
-        if let Err(e) = sqlx::raw_sql(Savepoint::get().release(c.status))
-            .execute(&mut *tx)
-            .await
-        {
-            let e = reopen_if_ended(&mut tx, e).await;
-            tx.rollback().await;
-            return Err(e.into());
-        }
-        let recorded: Result<i64, _> = sqlx::query_scalar(
-            "UPDATE main.idempotency_records SET status = ?, response_status = ?, \
-             response_headers = ?, response_body = ?, resource_id = ? \
-             WHERE principal_id = ? AND operation = ? AND idem_key = ? RETURNING expires_at",
-        )
-        .bind(c.status.as_str())
-        .bind(c.response_status)
-        .bind(c.response_headers)
-        .bind(c.response_body)
-        .bind(c.resource_id)
-        .bind(scope.principal)
-        .bind(scope.operation)
-        .bind(scope.key)
-        .fetch_one(&mut *tx)
-        .await;
+        let recorded: Result<i64, _> = sqlx::query_scalar(statements().record.for_status(c.status))
+            .bind(c.status.as_str())
+            .bind(c.response_status)
+            .bind(c.response_headers)
+            .bind(c.response_body)
+            .bind(c.resource_id)
+            .bind(scope.principal)
+            .bind(scope.operation)
+            .bind(scope.key)
+            .fetch_one(&mut *tx)
+            .await;
         match recorded {
             Ok(expires_at) => {
                 tx.commit().await?;
                 Ok(expires_at)
             }
             Err(e) => {
+                let e = reopen_if_ended(&mut tx, e).await;
                 tx.rollback().await;
                 Err(e.into())
             }
@@ -165,38 +227,21 @@ impl Backend for Sqlite {
         c: &Completion<'_>,
     ) -> Result<AtCommitOutcome, FinishError> {
         // (Undo the business writes,) prove the transaction is still ours,
-        // then the one row, quietly: `RETURNING` gives nothing when a row
-        // already holds the scope.
-        if let Err(e) = sqlx::raw_sql(Savepoint::get().release(c.status))
-            .execute(&mut *tx)
-            .await
-        {
-            let e = reopen_if_ended(&mut tx, e).await;
-            tx.rollback().await;
-            return Err(e.into());
-        }
-        let recorded: Result<Option<i64>, _> = sqlx::query_scalar(concat!(
-            "INSERT INTO main.idempotency_records \
-             (principal_id, operation, idem_key, request_fingerprint, status, response_status, \
-             response_headers, response_body, resource_id, created_at, expires_at) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ",
-            now_ms!(),
-            ", ",
-            now_ms!(),
-            " + ?) ON CONFLICT (principal_id, operation, idem_key) DO NOTHING RETURNING expires_at"
-        ))
-        .bind(claim.scope.principal)
-        .bind(claim.scope.operation)
-        .bind(claim.scope.key)
-        .bind(claim.fingerprint)
-        .bind(c.status.as_str())
-        .bind(c.response_status)
-        .bind(c.response_headers)
-        .bind(c.response_body)
-        .bind(c.resource_id)
-        .bind(claim.retention_ms)
-        .fetch_optional(&mut *tx)
-        .await;
+        // then the one row, in one call.
+        let recorded: Result<Option<i64>, _> =
+            sqlx::query_scalar(statements().record_at_commit.for_status(c.status))
+                .bind(claim.scope.principal)
+                .bind(claim.scope.operation)
+                .bind(claim.scope.key)
+                .bind(claim.fingerprint)
+                .bind(c.status.as_str())
+                .bind(c.response_status)
+                .bind(c.response_headers)
+                .bind(c.response_body)
+                .bind(c.resource_id)
+                .bind(claim.retention_ms)
+                .fetch_optional(&mut *tx)
+                .await;
         match recorded {
             Ok(Some(expires_at)) => {
                 tx.commit().await?;
@@ -207,6 +252,7 @@ impl Backend for Sqlite {
                 Ok(AtCommitOutcome::Lost(None))
             }
             Err(e) => {
+                let e = reopen_if_ended(&mut tx, e).await;
                 tx.rollback().await;
                 Err(e.into())
             }
