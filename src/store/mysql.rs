@@ -286,8 +286,12 @@ impl Backend for MySql {
         // alone), read its expiry, commit, and turn autocommit back on: one
         // ledger write. A duplicate key is the driver's unique-violation
         // signal, which MySQL/MariaDB do not log; the batch stops at it, so
-        // nothing of the transaction commits. The read needs no guard: the
-        // row was inserted by the statement before it, in the same batch.
+        // nothing of the transaction commits. The expiry comes back without
+        // naming the view again: on MariaDB 10.5 and later the insert
+        // returns it (`RETURNING`), and the read after it (which MariaDB
+        // sees as a read of no table, `/*!50700` being MySQL's alone)
+        // returns nothing; MySQL 5.7 and later read it back from the row
+        // the statement before inserted (`RETURNING` being MariaDB's alone).
         let resource = resource_literal(c);
         let (principal, operation, key) = (
             hex(claim.scope.principal.as_bytes()),
@@ -299,8 +303,10 @@ impl Backend for MySql {
              (principal_id, operation, idem_key, request_fingerprint, status, response_status, \
              response_headers, response_body, resource_id, created_at, expires_at) \
              VALUES (X'{principal}', X'{operation}', X'{key}', X'{fingerprint}', '{status}', \
-             {response_status}, X'{headers}', X'{body}', {resource}, {now}, {now} + {retention}); \
-             {pinned}SELECT expires_at, {CHAINS} FROM idempotency_records WHERE {row}; \
+             {response_status}, X'{headers}', X'{body}', {resource}, {now}, {now} + {retention}) \
+             /*M!100500 RETURNING expires_at, {CHAINS} */; \
+             SELECT expires_at, {CHAINS} FROM /*!50700 idempotency_records WHERE {row} */ \
+             /*M!100500 (SELECT 0 AS expires_at) AS returned WHERE FALSE */; \
              {commit}",
             row = DIALECT.scope(&mut Args::new(), &claim.scope),
             release = Savepoint::get().release(c.status),
@@ -312,7 +318,6 @@ impl Backend for MySql {
             body = hex(c.response_body),
             retention = claim.retention_ms,
             now = now_ms!(),
-            pinned = pinned!(),
             commit = commit!(),
         );
         let sql = in_ledger(&sql, claim.database);
