@@ -38,6 +38,8 @@ struct Statements {
     /// The claim's row, then the savepoint (taken even when no row was
     /// inserted; that transaction is rolled back).
     claim: String,
+    /// The claim-at-commit mode's start: the write lock and the savepoint.
+    begin_at_commit: String,
     /// The claim's row updated with the answer.
     record: AfterRelease,
     /// The claim-at-commit mode's one row, quietly: `RETURNING` gives
@@ -94,6 +96,7 @@ fn statements() -> &'static Statements {
                 ),
                 savepoint.take
             ),
+            begin_at_commit: format!("BEGIN IMMEDIATE; {}", savepoint.take),
             record: AfterRelease::new(
                 savepoint,
                 "UPDATE main.idempotency_records SET status = ?, response_status = ?, \
@@ -209,15 +212,16 @@ impl Backend for Sqlite {
         conn: PoolConnection<Self>,
         _claim: &Claim<'_>,
     ) -> Result<Claimed<Self>, sqlx::Error> {
-        let mut tx = begin_immediate(conn).await?;
-        if let Err(e) = sqlx::raw_sql(Savepoint::get().take.as_str())
-            .execute(&mut *tx)
-            .await
-        {
-            tx.rollback().await;
-            return Err(e);
+        // The savepoint with the `BEGIN IMMEDIATE`, one call.
+        let begin = AssertSqlSafe(statements().begin_at_commit.as_str()).into_sql_str();
+        match Claimed::begin(conn, begin, rollback).await {
+            Ok(tx) => Ok(tx),
+            Err((e, mut conn)) => {
+                // The call may have stopped inside its transaction.
+                conn.close_on_drop();
+                Err(e)
+            }
         }
-        Ok(tx)
     }
 
     async fn finish_at_commit(
