@@ -99,13 +99,15 @@ fn unique_name() -> String {
     )
 }
 
-/// Drops a test database when the case ends, even when it panics.
-pub struct Cleanup(Option<Box<dyn FnOnce() + Send>>);
+/// Drops a test database when the case ends, even when it panics. (In a
+/// mutex, never locked, only so that a harness can be shared between
+/// tasks.)
+pub struct Cleanup(std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>);
 
 impl Cleanup {
     /// Runs `f` on a plain thread (outside the test's runtime) when dropped.
     pub fn new(f: impl FnOnce() + Send + 'static) -> Self {
-        Self(Some(Box::new(f)))
+        Self(std::sync::Mutex::new(Some(Box::new(f))))
     }
 }
 
@@ -117,7 +119,12 @@ impl std::fmt::Debug for Cleanup {
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        if let Some(f) = self.0.take() {
+        let f = self
+            .0
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(f) = f {
             // Run outside the test's runtime, which may be shutting down.
             let _ = std::thread::spawn(f).join();
         }
