@@ -9,9 +9,10 @@
 //!   execution, sent by the bench itself with nothing of the layer's Rust
 //!   around them (SQLite: `BEGIN IMMEDIATE`, the claim's row inserted
 //!   and a savepoint in one call, the handler, the savepoint released and
-//!   the row updated with the answer in one call, `COMMIT`; MariaDB: the claim's one batch in place of
-//!   the `BEGIN` with the row inserted and the savepoint, the handler, and
-//!   the answer's update, its read and the `COMMIT` in one batch): the
+//!   the row updated with the answer in one call, `COMMIT`; MariaDB: the
+//!   claim's one batch in place of the `BEGIN` with the row inserted and
+//!   the savepoint, the handler, and the answer's update, its read and the
+//!   `COMMIT` in one batch): the
 //!   floor of the design, what no implementation of it can go below;
 //! - **one row**: the bare transaction plus one finished ledger row before
 //!   the `COMMIT` (what the claim-at-commit mode writes; it holds nothing
@@ -25,7 +26,8 @@
 //! bench process and `mariadbd`. MySQL/MariaDB runs with `--features
 //! mysql` against `MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`).
 //!
-//! `cargo bench --bench stores [--features mysql]`
+//! `cargo bench --bench stores [--features mysql]`; `TI_BENCH_PROFILE`
+//! runs one route alone ([`profile`]).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -273,35 +275,36 @@ macro_rules! measure {
                 other => panic!("TI_BENCH_PROFILE: no route {other}"),
             }
             print_rows($store, conc, &[(route.as_str(), t)]);
-        }
-        for conc in CONCURRENCY.into_iter().filter(|_| profile().is_none()) {
-            let mut t = [Tally::default(); 6];
-            for _ in 0..ROUNDS {
-                run(&mut t[0], $cpu, conc, $bare.clone()).await;
-                run(&mut t[1], $cpu, conc, $design.clone()).await;
-                run(&mut t[2], $cpu, conc, $one_row.clone()).await;
-                let first = layered.clone();
-                run(&mut t[3], $cpu, conc, move |i| first(fresh_key(i), i)).await;
-                let replay = layered.clone();
-                run(&mut t[4], $cpu, conc, move |_| {
-                    replay("replayed".to_string(), 0)
-                })
-                .await;
-                let first = at_commit.clone();
-                run(&mut t[5], $cpu, conc, move |i| first(fresh_key(i), i)).await;
+        } else {
+            for conc in CONCURRENCY {
+                let mut t = [Tally::default(); 6];
+                for _ in 0..ROUNDS {
+                    run(&mut t[0], $cpu, conc, $bare.clone()).await;
+                    run(&mut t[1], $cpu, conc, $design.clone()).await;
+                    run(&mut t[2], $cpu, conc, $one_row.clone()).await;
+                    let first = layered.clone();
+                    run(&mut t[3], $cpu, conc, move |i| first(fresh_key(i), i)).await;
+                    let replay = layered.clone();
+                    run(&mut t[4], $cpu, conc, move |_| {
+                        replay("replayed".to_string(), 0)
+                    })
+                    .await;
+                    let first = at_commit.clone();
+                    run(&mut t[5], $cpu, conc, move |i| first(fresh_key(i), i)).await;
+                }
+                print_rows(
+                    $store,
+                    conc,
+                    &[
+                        ("bare", t[0]),
+                        ("the design by hand (floor)", t[1]),
+                        ("bare + one finished row", t[2]),
+                        ("**layer, first execution**", t[3]),
+                        ("layer, replay", t[4]),
+                        ("claim at commit, first execution", t[5]),
+                    ],
+                );
             }
-            print_rows(
-                $store,
-                conc,
-                &[
-                    ("bare", t[0]),
-                    ("the design by hand (floor)", t[1]),
-                    ("bare + one finished row", t[2]),
-                    ("**layer, first execution**", t[3]),
-                    ("layer, replay", t[4]),
-                    ("claim at commit, first execution", t[5]),
-                ],
-            );
         }
     }};
 }

@@ -178,9 +178,9 @@ impl Backend for Sqlite {
         c: &Completion<'_>,
     ) -> Result<i64, FinishError> {
         let scope = &claim.scope;
-        // An embedded database has no round trips to save: prove the
-        // claimed transaction is still ours, record with parameters, commit.
-        // No connection to lose: every error is a `FinishError::Store`.
+        // Prove the claimed transaction is still ours and record, with
+        // parameters, in one call to the worker thread; commit. No
+        // connection to lose: every error is a `FinishError::Store`.
         let recorded: Result<i64, _> = sqlx::query_scalar(statements().record.for_status(c.status))
             .bind(c.status.as_str())
             .bind(c.response_status)
