@@ -5,6 +5,7 @@
 //! cargo run --example order_service                      # SQLite file ./order_service.db
 //! DATABASE_URL=postgres://postgres@127.0.0.1/test cargo run --example order_service
 //! cargo run --example order_service -- --addr 127.0.0.1:3001 --handler-delay-ms 500
+//! cargo run --example order_service -- --claim-at-commit   # IdempotencyLayer::with_claim_at_commit
 //! ```
 //!
 //! How a `POST /orders` flows, step by step. Each step opens with the line
@@ -697,6 +698,7 @@ async fn get_stock<DB: OrderDb>(State(app): State<App<DB>>, Path(sku): Path<Stri
 fn router<DB: OrderDb>(
     pool: Pool<DB>,
     handler_delay: Duration,
+    claim_at_commit: bool,
 ) -> Result<Router, tower_idempotency::ConfigError> {
     // Retention: a key replays for 24 hours, then answers 410 with a link to
     // the order; tombstones are kept 90 days (see the sweeper in `serve`).
@@ -705,6 +707,14 @@ fn router<DB: OrderDb>(
         .with_normalizer(Normalizer::custom(normalize_order))
         .with_retention(Duration::from_secs(24 * 3600))
         .with_resource_link(|id| format!("/orders/{id}"));
+    // `--claim-at-commit`: the handler runs at once and the ledger row is
+    // written with the `COMMIT` (one ledger write; a duplicate's handler
+    // may run and be rolled back).
+    let idempotency = if claim_at_commit {
+        idempotency.with_claim_at_commit()
+    } else {
+        idempotency
+    };
     // "Did my key land?": the same layer's keys, behind the same
     // authentication (`GET /idempotency-keys?operation=create-order`).
     let key_status = idempotency.key_status();
@@ -745,9 +755,12 @@ async fn serve<DB: OrderDb>(
         "order_service listening on http://{} (store: {store})",
         listener.local_addr()?
     );
-    axum::serve(listener, router(pool.clone(), args.handler_delay)?)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    axum::serve(
+        listener,
+        router(pool.clone(), args.handler_delay, args.claim_at_commit)?,
+    )
+    .with_graceful_shutdown(shutdown_signal())
+    .await?;
     sweeper.abort();
     pool.close().await;
     Ok(())
@@ -774,15 +787,21 @@ async fn shutdown_signal() {
 struct Args {
     addr: SocketAddr,
     handler_delay: Duration,
+    claim_at_commit: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         addr: ([127, 0, 0, 1], 3000).into(),
         handler_delay: Duration::ZERO,
+        claim_at_commit: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "--claim-at-commit" {
+            args.claim_at_commit = true;
+            continue;
+        }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--addr" => args.addr = value.parse().map_err(|e| format!("--addr {value}: {e}"))?,
@@ -794,7 +813,7 @@ fn parse_args() -> Result<Args, String> {
             }
             other => {
                 return Err(format!(
-                    "unknown flag {other}; use --addr HOST:PORT, --handler-delay-ms N"
+                    "unknown flag {other}; use --addr HOST:PORT, --handler-delay-ms N, --claim-at-commit"
                 ));
             }
         }

@@ -45,6 +45,20 @@ impl Instance {
         }
     }
 
+    /// As [`start`](Self::start), the layer claiming at commit.
+    async fn start_at_commit(url: &str) -> Self {
+        let (child, addr) = common::start_example(
+            "order_service",
+            &["--addr", "127.0.0.1:0", "--claim-at-commit"],
+            &[("DATABASE_URL", url)],
+        )
+        .await;
+        Self {
+            _child: child,
+            addr,
+        }
+    }
+
     async fn order(&self, key: &str) -> Answer {
         orders::order(&self.addr, key).await.unwrap()
     }
@@ -178,11 +192,21 @@ struct Round {
 }
 
 /// Two instances, `keys` keys: half sent four times at once, two to each
-/// node; half sent to node 0 and retried on node 1 as soon as it answered.
-async fn concurrent_round(cluster: &Cluster, db: &str, keys: usize) -> Round {
+/// node; half sent to node 0 and retried on node 1 as soon as it answered;
+/// the layer claims first, or at commit (`at_commit`).
+async fn concurrent_round(cluster: &Cluster, db: &str, keys: usize, at_commit: bool) -> Round {
     cluster.create_database(db);
-    let a = Instance::start(&cluster.url(0, db), 0).await;
-    let b = Instance::start(&cluster.url(1, db), 0).await;
+    let (a, b) = if at_commit {
+        (
+            Instance::start_at_commit(&cluster.url(0, db)).await,
+            Instance::start_at_commit(&cluster.url(1, db)).await,
+        )
+    } else {
+        (
+            Instance::start(&cluster.url(0, db), 0).await,
+            Instance::start(&cluster.url(1, db), 0).await,
+        )
+    };
     let pool = one_connection(&cluster.url(2, db)).await;
     put_stock(&a.addr).await;
 
@@ -444,7 +468,15 @@ async fn galera_cluster_keeps_one_effect_per_key() {
     let (mut refused, mut faults) = (0, Vec::new());
     for round in 0..rounds {
         let _load = (round % 3 == 2).then(Load::start);
-        let r = concurrent_round(&cluster, &format!("round{round}"), 40).await;
+        let r = concurrent_round(&cluster, &format!("round{round}"), 40, false).await;
+        refused += r.refused;
+        faults.extend(r.faults);
+    }
+    // The claim-at-commit mode: duplicates on two nodes both run their
+    // handler; the cluster lets one row of the key commit.
+    for round in 0..2 {
+        let _load = (round == 1).then(Load::start);
+        let r = concurrent_round(&cluster, &format!("commit{round}"), 40, true).await;
         refused += r.refused;
         faults.extend(r.faults);
     }
@@ -452,7 +484,7 @@ async fn galera_cluster_keeps_one_effect_per_key() {
     faults.extend(lease_taken_over_on_another_node(&cluster).await);
     faults.extend(node_killed_mid_transaction(&mut cluster).await);
     eprintln!(
-        "galera: {rounds} rounds of 40 keys: {refused} retryable refusals, \
+        "galera: {rounds} rounds of 40 keys and 2 claiming at commit: {refused} retryable refusals, \
          {conflicts} certification conflicts, in {:?}",
         started.elapsed()
     );
