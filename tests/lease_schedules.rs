@@ -27,8 +27,8 @@
 //!
 //! The same seed draws the same schedule; a failing seed is printed with
 //! its schedule. `cargo test` runs a fixed budget per store
-//! (`LEASE_SCHEDULES`, default 24, [`PARALLEL`] at a time: about half a
-//! minute on two cores); `LEASE_SCHEDULES=500` runs more, and
+//! (`LEASE_SCHEDULES`, default 24, [`PARALLEL`] at a time: about 40 s on
+//! two cores); `LEASE_SCHEDULES=500` runs more, and
 //! `LEASE_SEED=n` runs one.
 
 use std::collections::{HashMap, HashSet};
