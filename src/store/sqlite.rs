@@ -150,6 +150,9 @@ impl Backend for Sqlite {
         let mut tx = begin_immediate(conn).await?;
         // The row and the savepoint in one call to sqlx's worker thread:
         // every call inside `BEGIN IMMEDIATE` holds SQLite's one writer.
+        // The call's count is the insert's (0 or 1) on sqlx 0.9.1, and
+        // twice it on 0.9.0, which adds `sqlite3_changes()` again for the
+        // savepoint: only "none" means the row was there.
         let inserted = sqlx::query(AssertSqlSafe(statements().claim.as_str()))
             .bind(claim.scope.principal)
             .bind(claim.scope.operation)
@@ -159,7 +162,7 @@ impl Backend for Sqlite {
             .execute(&mut *tx)
             .await;
         match inserted {
-            Ok(done) if done.rows_affected() == 1 => Ok(ClaimOutcome::Won(tx)),
+            Ok(done) if done.rows_affected() != 0 => Ok(ClaimOutcome::Won(tx)),
             Ok(_) => {
                 tx.rollback().await;
                 Ok(ClaimOutcome::Lost(None))
