@@ -683,20 +683,9 @@ async fn a_rewound_primary_never_replays_a_lost_answer() {
             .expect("a transaction id");
         cluster.kill_postgres(&old);
         let new = cluster.wait_new_leader(&old, Duration::from_secs(90)).name;
-        // Patroni names the leader before its promotion ends: wait until
-        // it takes transactions (a busy machine once asked in between).
-        let promoted = std::time::Instant::now() + Duration::from_secs(90);
-        while cluster
-            .query(&new, "SELECT NOT pg_is_in_recovery()")
-            .as_deref()
-            != Ok("t")
-        {
-            assert!(
-                std::time::Instant::now() < promoted,
-                "{new} left recovery within 90 s"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        // Wait until it takes transactions (a busy machine once asked in
+        // between).
+        cluster.wait_promoted(&new, Duration::from_secs(90));
         let status = format!("SELECT txid_status({xid})");
         let before = cluster.query(&new, &status);
         // The new leader hands out transaction ids from where its replay
@@ -893,6 +882,9 @@ async fn a_commit_lost_across_a_failover_is_never_confirmed_by_another_transacti
             .expect("a transaction id");
         cluster.kill_postgres(&old);
         let new = cluster.wait_new_leader(&old, Duration::from_secs(90)).name;
+        // Asked before its promotion ended, it once refused (`cannot
+        // execute pg_current_xact_id() during recovery`).
+        cluster.wait_promoted(&new, Duration::from_secs(90));
         let mut handed = 0;
         for _ in 0..10_000 {
             handed = cluster

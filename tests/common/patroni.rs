@@ -196,6 +196,23 @@ impl Cluster {
         }
     }
 
+    /// Waits (at most `within`) until node `name` takes transactions:
+    /// Patroni names a leader before its promotion ends.
+    pub fn wait_promoted(&self, name: &str, within: Duration) {
+        let deadline = Instant::now() + within;
+        while self
+            .query(name, "SELECT NOT pg_is_in_recovery()")
+            .as_deref()
+            != Ok("t")
+        {
+            assert!(
+                Instant::now() < deadline,
+                "{name} did not leave recovery within {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// Runs `sql` in database `test` of node `name` with psql; its
     /// output, `None` on an error.
     pub fn psql(&self, name: &str, sql: &str) -> Option<String> {
