@@ -200,11 +200,7 @@ impl Backend for Sqlite {
                 tx.commit().await?;
                 Ok(expires_at)
             }
-            Err(e) => {
-                let e = reopen_if_ended(&mut tx, e).await;
-                tx.rollback().await;
-                Err(e.into())
-            }
+            Err(e) => Err(abandon(tx, e).await),
         }
     }
 
@@ -258,11 +254,7 @@ impl Backend for Sqlite {
                 tx.rollback().await;
                 Ok(AtCommitOutcome::Lost(None))
             }
-            Err(e) => {
-                let e = reopen_if_ended(&mut tx, e).await;
-                tx.rollback().await;
-                Err(e.into())
-            }
+            Err(e) => Err(abandon(tx, e).await),
         }
     }
 
@@ -457,6 +449,14 @@ async fn begin_immediate(conn: PoolConnection<Sqlite>) -> Result<Claimed<Sqlite>
     Claimed::begin(conn, "BEGIN IMMEDIATE".into_sql_str(), rollback)
         .await
         .map_err(|(e, _)| e)
+}
+
+/// A recording that failed: the claimed transaction rolled back (opened
+/// again first if the handler had ended it, see [`reopen_if_ended`]).
+async fn abandon(mut tx: Claimed<Sqlite>, e: sqlx::Error) -> FinishError {
+    let e = reopen_if_ended(&mut tx, e).await;
+    tx.rollback().await;
+    e.into()
 }
 
 /// The handler ended the claimed transaction: sqlx still counts it open,
