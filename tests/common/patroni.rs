@@ -199,18 +199,8 @@ impl Cluster {
     /// Waits (at most `within`) until node `name` takes transactions:
     /// Patroni names a leader before its promotion ends.
     pub fn wait_promoted(&self, name: &str, within: Duration) {
-        let deadline = Instant::now() + within;
-        while self
-            .query(name, "SELECT NOT pg_is_in_recovery()")
-            .as_deref()
-            != Ok("t")
-        {
-            assert!(
-                Instant::now() < deadline,
-                "{name} did not leave recovery within {within:?}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let port = self.node(name)["pg"].as_u64().expect("a port");
+        self.wait_out_of_recovery(port, within, &format!("{name} did not leave recovery"));
     }
 
     /// Runs `sql` in database `test` of node `name` with psql; its
@@ -229,13 +219,17 @@ impl Cluster {
     /// Waits (at most `within`) until HAProxy's write port reaches a
     /// server that takes writes.
     pub fn wait_writable(&self, within: Duration) {
+        let port = self.port("write");
+        self.wait_out_of_recovery(port, within, "the write port reaches no leader");
+    }
+
+    /// Waits (at most `within`, else panics with `failure`) until the
+    /// server at `port` is out of recovery.
+    fn wait_out_of_recovery(&self, port: u64, within: Duration, failure: &str) {
         let deadline = Instant::now() + within;
         let sql = "SELECT NOT pg_is_in_recovery()";
-        while self.query_port(self.port("write"), sql).as_deref() != Ok("t") {
-            assert!(
-                Instant::now() < deadline,
-                "the write port reaches no leader within {within:?}"
-            );
+        while self.query_port(port, sql).as_deref() != Ok("t") {
+            assert!(Instant::now() < deadline, "{failure} within {within:?}");
             std::thread::sleep(Duration::from_millis(100));
         }
     }
