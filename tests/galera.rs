@@ -446,6 +446,180 @@ async fn lease_taken_over_on_another_node(cluster: &Cluster) -> Vec<String> {
     faults
 }
 
+/// The handler of [`abort_after_the_proof`]: an order row and the one
+/// row every request updates, on the claimed transaction.
+async fn order_and_hot_row(tx: tower_idempotency::Tx<sqlx::MySql>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    use tower_idempotency::HandlerError;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let id = format!(
+        "o-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    );
+    let Ok(mut conn) = tx.lock() else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let wrote = async {
+        sqlx::query("INSERT INTO orders (id) VALUES (?)")
+            .bind(&id)
+            .execute(&mut *conn)
+            .await?;
+        sqlx::query("UPDATE hot SET n = n + 1 WHERE id = 1")
+            .execute(&mut *conn)
+            .await
+    };
+    if let Err(e) = wrote.await {
+        return HandlerError::from(e).into_response();
+    }
+    (
+        StatusCode::CREATED,
+        axum::Extension(tower_idempotency::ResourceId::new(id.clone())),
+        axum::Json(serde_json::json!({ "orderId": id })),
+    )
+        .into_response()
+}
+
+/// A replicated writer's abort that lands inside a request's recording
+/// batch, right after the batch proved its claimed transaction (the
+/// savepoint's release, where `pause_after_next_proof` holds the batch):
+/// MariaDB runs the rest of such a batch in a new transaction and its
+/// `COMMIT` commits that one, so a ledger write placed after the proof
+/// would commit without the order it names. Nothing of the aborted request
+/// may commit. Both modes; the writer is a duplicate of the key on node 1,
+/// or a plain write there of the row the handler updated.
+async fn abort_after_the_proof(cluster: &Cluster) -> Vec<String> {
+    use tower_idempotency::testkit::{order, pause_after_next_proof, send};
+    let mut faults = Vec::new();
+    let cases = [(false, true), (false, false), (true, true), (true, false)];
+    for (i, (at_commit, duplicate)) in cases.into_iter().enumerate() {
+        let case = format!(
+            "{} against {}",
+            if at_commit {
+                "at commit"
+            } else {
+                "claim first"
+            },
+            if duplicate {
+                "a duplicate"
+            } else {
+                "a write of the row"
+            }
+        );
+        let db = format!("proof{i}");
+        cluster.create_database(&db);
+        let on = |node: usize| {
+            let url = cluster.url(node, &db);
+            async move {
+                sqlx::mysql::MySqlPoolOptions::new()
+                    .max_connections(4)
+                    .connect(&url)
+                    .await
+                    .unwrap()
+            }
+        };
+        let (p0, p1) = (on(0).await, on(1).await);
+        tower_idempotency::migrate(&p0).await.unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE orders (id VARCHAR(64) PRIMARY KEY) ENGINE = InnoDB; \
+             CREATE TABLE hot (id INT PRIMARY KEY, n BIGINT NOT NULL) ENGINE = InnoDB; \
+             INSERT INTO hot VALUES (1, 0)",
+        )
+        .execute(&p0)
+        .await
+        .unwrap();
+        // Node 1 has applied the tables before its layer starts.
+        sqlx::raw_sql("SET STATEMENT wsrep_sync_wait = 15 FOR SELECT n FROM hot")
+            .execute(&p1)
+            .await
+            .unwrap();
+        let app = |pool: sqlx::MySqlPool| {
+            let layer = tower_idempotency::IdempotencyLayer::new(pool)
+                .with_principal(|_| Some(tower_idempotency::Principal::new("galera")));
+            let layer = if at_commit {
+                layer.with_claim_at_commit()
+            } else {
+                layer
+            };
+            axum::Router::new()
+                .route("/orders", axum::routing::post(order_and_hot_row))
+                .layer(layer)
+        };
+        let (app0, app1) = (app(p0.clone()), app(p1.clone()));
+        let key = format!("proof-{i}");
+        pause_after_next_proof(Duration::from_millis(1500));
+        let victim = {
+            let key = key.clone();
+            tokio::spawn(async move { send(&app0, order(None, Some(&key), "{}")).await })
+        };
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if duplicate {
+            let other = send(&app1, order(None, Some(&key), "{}")).await;
+            if other.status != StatusCode::CREATED {
+                faults.push(format!("{case}: the duplicate on node 1: {}", other.status));
+            }
+        } else {
+            sqlx::query("UPDATE hot SET n = n + 100 WHERE id = 1")
+                .execute(&p1)
+                .await
+                .unwrap();
+        }
+        let victim = victim.await.unwrap();
+        pause_after_next_proof(Duration::ZERO);
+        let judge = one_connection(&cluster.url(2, &db)).await;
+        sqlx::raw_sql("SET SESSION wsrep_sync_wait = 1")
+            .execute(&judge)
+            .await
+            .unwrap();
+        let count = |sql: &'static str| {
+            let judge = judge.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(sql)
+                    .fetch_one(&judge)
+                    .await
+                    .unwrap()
+            }
+        };
+        let orders = count("SELECT COUNT(*) FROM orders").await;
+        let ledger = count("SELECT COUNT(*) FROM idempotency_records").await;
+        let orphaned = count(
+            "SELECT COUNT(*) FROM idempotency_records r \
+             WHERE NOT EXISTS (SELECT 1 FROM orders o WHERE o.id = r.resource_id)",
+        )
+        .await;
+        let unledgered = count(
+            "SELECT COUNT(*) FROM orders o \
+             WHERE NOT EXISTS (SELECT 1 FROM idempotency_records r WHERE r.resource_id = o.id)",
+        )
+        .await;
+        let want = (i64::from(duplicate), i64::from(duplicate), 0, 0);
+        if (orders, ledger, orphaned, unledgered) != want {
+            faults.push(format!(
+                "{case}: orders {orders}, ledger {ledger}, orphaned {orphaned}, \
+                 unledgered {unledgered} (the aborted request's answer: {} {})",
+                victim.status,
+                String::from_utf8_lossy(&victim.body)
+            ));
+        }
+        let answered_well = match victim.status {
+            StatusCode::CREATED => duplicate && victim.replayed(),
+            StatusCode::SERVICE_UNAVAILABLE => {
+                victim.headers.contains_key(http::header::RETRY_AFTER)
+            }
+            _ => false,
+        };
+        if !answered_well {
+            faults.push(format!(
+                "{case}: the aborted request answered {} {}",
+                victim.status,
+                String::from_utf8_lossy(&victim.body)
+            ));
+        }
+        judge.close().await;
+    }
+    faults
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn galera_cluster_keeps_one_effect_per_key() {
     let started = Instant::now();
@@ -481,6 +655,7 @@ async fn galera_cluster_keeps_one_effect_per_key() {
         faults.extend(r.faults);
     }
     let conflicts: i64 = (0..3).map(|i| cluster.conflicts(i)).sum();
+    faults.extend(abort_after_the_proof(&cluster).await);
     faults.extend(lease_taken_over_on_another_node(&cluster).await);
     faults.extend(node_killed_mid_transaction(&mut cluster).await);
     eprintln!(

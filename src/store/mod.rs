@@ -91,7 +91,7 @@ mod error;
 mod lease;
 mod literal;
 #[cfg(feature = "mysql")]
-mod mysql;
+pub(crate) mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod record;

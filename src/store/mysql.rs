@@ -84,6 +84,53 @@ const SYNC_READ: &str = concat!(
 /// the cluster, answered from the ledger or with a retryable `503`).
 static NO_SYNC_WAIT: AtomicBool = AtomicBool::new(false);
 
+/// A pause, in milliseconds, that the next recording batch takes right
+/// after it released the claim's savepoint, once (0: none); armed by
+/// [`crate::testkit::pause_after_next_proof`], so a test can land a
+/// replicated writer's abort at that point of the batch.
+#[cfg(feature = "testkit")]
+pub(crate) static PAUSE_AFTER_PROOF_MS: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
+
+/// Releases the claim's savepoint, which proves the claimed transaction is
+/// still the one the claim began: it fails (`ER_SP_DOES_NOT_EXIST`, or the
+/// deadlock error of a transaction the server rolled back) once the
+/// server or the handler ended it.
+///
+/// Every batch that writes on a claimed (or phase) transaction sends it
+/// after its last write, never before: when the server rolls a transaction
+/// back while one of its batches runs (on Galera, a replicated writer's
+/// abort), MariaDB may end that statement without an error and run the
+/// rest of the batch in a new transaction, which the batch's `COMMIT` then
+/// commits (and reports as a deadlock). A write after the proof could so
+/// commit alone (a ledger row that names an order rolled back); a write
+/// before it is followed by a proof that fails, and the batch stops. An
+/// abort after the proof leaves nothing but the `COMMIT`, of an empty
+/// transaction, which reports the deadlock (tests/galera.rs,
+/// `abort_after_the_proof`).
+fn proof() -> std::borrow::Cow<'static, str> {
+    let release = Savepoint::get().release(RecordStatus::Succeeded);
+    #[cfg(feature = "testkit")]
+    {
+        let ms = PAUSE_AFTER_PROOF_MS.swap(0, Ordering::SeqCst);
+        if ms > 0 {
+            return format!("{release}; DO SLEEP({}.{:03})", ms / 1000, ms % 1000).into();
+        }
+    }
+    release.into()
+}
+
+/// What opens a recording batch: for a final failure, the business writes
+/// undone (the savepoint stays, for the [`proof`] at the batch's end);
+/// nothing otherwise.
+fn undo_first(status: RecordStatus) -> String {
+    if status == RecordStatus::FailedFinal {
+        format!("{}; ", Savepoint::get().undo)
+    } else {
+        String::new()
+    }
+}
+
 /// The database clock, epoch milliseconds, in UTC arithmetic only (no
 /// session time zone conversion).
 macro_rules! now_ms {
@@ -222,41 +269,51 @@ impl Backend for MySql {
         c: &Completion<'_>,
     ) -> Result<i64, FinishError> {
         let scope = &claim.scope;
-        // One round trip: (undo the business writes,) prove the claimed
-        // transaction is still ours by releasing its savepoint, record,
-        // read the expiry, commit, and turn autocommit back on. The read
-        // fails (a scalar subquery of two rows) when the `UPDATE` changed
-        // no row (`ROW_COUNT()`, the view named once more would cost the
-        // server a subquery each), so the COMMIT never runs without the
-        // recorded row. On any error the
+        // One round trip: (undo the business writes,) record, read the
+        // expiry, prove the claimed transaction is still ours by releasing
+        // its savepoint (after the writes: see `proof`), commit, and turn
+        // autocommit back on. The read fails (a scalar subquery of two
+        // rows) when the `UPDATE` changed no row (`ROW_COUNT()`, the view
+        // named once more would cost the server a subquery each), so the
+        // COMMIT never runs without the recorded row. On any error the
         // transaction is rolled back (`END_CLAIM`, which restores
         // autocommit; a `ROLLBACK` after a `COMMIT` that landed finds no
         // transaction and does nothing), or the connection closed. A
         // connection lost during the COMMIT is left to the layer's re-read
         // of the ledger (`FinishError::Store`).
-        let release = Savepoint::get().release(c.status);
         let resource = resource_literal(c);
         let row = DIALECT.scope(&mut Args::new(), scope);
         let status = c.status.as_str();
         let recorded = format!("idempotency_records WHERE {row} AND status = '{status}'");
         let sql = format!(
-            "{release}; \
-             {pinned}UPDATE idempotency_records SET status = '{status}', response_status = {}, \
+            "{undo}{pinned}UPDATE idempotency_records SET status = '{status}', response_status = {}, \
              response_headers = X'{}', response_body = X'{}', resource_id = {resource} \
              WHERE {row}; \
              {pinned}SELECT (SELECT expires_at FROM {recorded} \
              UNION ALL SELECT -1 FROM DUAL WHERE ROW_COUNT() < 1 \
              UNION ALL SELECT -2 FROM DUAL WHERE ROW_COUNT() < 1), \
-             {CHAINS}; {commit}",
+             {CHAINS}; {proof}; {commit}",
             c.response_status,
             hex(c.response_headers),
             hex(c.response_body),
+            undo = undo_first(c.status),
             pinned = pinned!(),
+            proof = proof(),
             commit = commit!(),
         );
         let sql = in_ledger(&sql, claim.database);
         let ran = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await;
-        settle_recording(tx, ran).await
+        match ran {
+            // ER_SUBQUERY_NO_1_ROW, the read's: the `UPDATE` found no row
+            // of the claim, so the transaction is no longer the claim's
+            // (the handler or the server ended it, and the batch ran on in
+            // a new one, which is rolled back).
+            Err(e) if number(&e) == Some(1242) => {
+                tx.rollback().await;
+                Err(FinishError::Ended(e))
+            }
+            ran => settle_recording(tx, ran).await,
+        }
     }
 
     async fn begin_at_commit(
@@ -280,13 +337,14 @@ impl Backend for MySql {
         claim: &Claim<'_>,
         c: &Completion<'_>,
     ) -> Result<AtCommitOutcome, FinishError> {
-        // One round trip: (undo the business writes,) prove the claimed
-        // transaction is still ours by releasing its savepoint, insert the
-        // scope's finished row (its lock wait bounded for the insert
-        // alone), read its expiry, commit, and turn autocommit back on: one
-        // ledger write. A duplicate key is the driver's unique-violation
-        // signal, which MySQL/MariaDB do not log; the batch stops at it, so
-        // nothing of the transaction commits. The expiry comes back without
+        // One round trip: (undo the business writes,) insert the scope's
+        // finished row (its lock wait bounded for the insert alone), read
+        // its expiry, prove the claimed transaction is still ours by
+        // releasing its savepoint (after the write: see `proof`), commit,
+        // and turn autocommit back on: one ledger write. A duplicate key
+        // is the driver's unique-violation signal, which MySQL/MariaDB do
+        // not log; the batch stops at it, so nothing of the transaction
+        // commits. The expiry comes back without
         // naming the view again: on MariaDB 10.5 and later the insert
         // returns it (`RETURNING`), and the read after it (which MariaDB
         // sees as a read of no table, `/*!50700` being MySQL's alone)
@@ -299,7 +357,7 @@ impl Backend for MySql {
             hex(claim.scope.key.as_bytes()),
         );
         let sql = format!(
-            "{release}; {insert}INTO idempotency_records \
+            "{undo}{insert}INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, response_status, \
              response_headers, response_body, resource_id, created_at, expires_at) \
              VALUES (X'{principal}', X'{operation}', X'{key}', X'{fingerprint}', '{status}', \
@@ -307,9 +365,10 @@ impl Backend for MySql {
              /*M!100500 RETURNING expires_at, {CHAINS} */; \
              SELECT expires_at, {CHAINS} FROM /*!50700 idempotency_records WHERE {row} */ \
              /*M!100500 (SELECT 0 AS expires_at) AS returned WHERE FALSE */; \
-             {commit}",
+             {proof}; {commit}",
             row = DIALECT.scope(&mut Args::new(), &claim.scope),
-            release = Savepoint::get().release(c.status),
+            undo = undo_first(c.status),
+            proof = proof(),
             insert = bounded_insert(claim),
             fingerprint = hex(claim.fingerprint),
             status = c.status.as_str(),
@@ -457,8 +516,8 @@ impl Backend for MySql {
     ) -> Result<Claimed<Self>, sqlx::Error> {
         // As a claim: autocommit off (a statement sent after the server
         // rolled the phase back opens a transaction nothing commits), and
-        // a savepoint `commit_fenced` releases first, so a phase that
-        // ended commits nothing, its recovery point included.
+        // a savepoint `commit_fenced` releases after its write, so a phase
+        // that ended commits nothing, its recovery point included.
         let begin = format!(
             "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL {}; START TRANSACTION READ WRITE; \
              {}",
@@ -482,20 +541,21 @@ impl Backend for MySql {
         fence: Fence<'_>,
         write: &LeaseWrite<'_>,
     ) -> Result<Option<i64>, FinishError> {
-        // The phase is still the one begun (its savepoint is there: an
-        // error of kind `TransactionEnded` otherwise), then the fenced
-        // write. The affected-row count is the count of rows found (sqlx
-        // asks for found rows), so it says whether the fence matched.
+        // The fenced write, then the proof that the phase is still the one
+        // begun (its savepoint is there: an error of kind
+        // `TransactionEnded` otherwise; after the write, see `proof`). A
+        // phase keeps all its writes, as a success does. The affected-row
+        // count is the count of rows found (sqlx asks for found rows), so
+        // it says whether the fence matched.
         let database = Self::database(pool);
         let written = async {
             let sql = format!(
                 "{}; {}",
-                // A phase keeps all its writes, as a success does.
-                Savepoint::get().release(RecordStatus::Succeeded),
                 with_lock_wait(
                     LEASE_LOCK_WAIT_SECS,
                     &DIALECT.write(&mut Vec::new(), scope, fence, write)
-                )
+                ),
+                proof(),
             );
             let sql = in_ledger(&sql, database.as_deref());
             let done = sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *tx).await?;
@@ -564,8 +624,6 @@ impl Backend for MySql {
     }
 }
 
-/// [`END_CLAIM`] on a connection whose batch failed halfway; closed when
-/// that fails or its future is dropped.
 /// An `INSERT ` whose lock wait is bounded by `claim.lock_wait` for the
 /// statement alone: InnoDB counts it in whole seconds (MariaDB's
 /// `SET STATEMENT … FOR`, MySQL 8's `SET_VAR` hint; each server ignores
@@ -627,6 +685,8 @@ async fn begin_claimed(
     begun
 }
 
+/// [`END_CLAIM`] on a connection whose batch failed halfway; closed when
+/// that fails or its future is dropped.
 async fn end_or_close(mut conn: PoolConnection<MySql>) {
     let guard = CloseOnCancel::new(&mut conn);
     if sqlx::raw_sql(END_CLAIM)
@@ -720,7 +780,10 @@ fn committed_unread(e: sqlx::Error) -> sqlx::Error {
 }
 
 /// A committing batch that failed: a server error stops the batch at its
-/// statement, before the `COMMIT`; any other error (the driver could not
+/// statement, before the `COMMIT` (or is the `COMMIT`'s own: a deadlock
+/// reported there, for a transaction the server rolled back during the
+/// batch, commits nothing of it, every write being before the [`proof`]);
+/// any other error (the driver could not
 /// read or decode an answer) may have come after it, so the outcome is
 /// one the store cannot tell (kind [`StoreErrorKind::ConnectionLost`]).
 fn maybe_committed(e: sqlx::Error) -> sqlx::Error {

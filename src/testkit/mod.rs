@@ -108,6 +108,18 @@ pub trait ConformanceDb: Backend + Sized {
     fn seed_expired(pool: &Pool<Self>, n: u32) -> impl Future<Output = ()> + Send;
 }
 
+/// Fault injection for MySQL/MariaDB tests: the next recording batch a
+/// layer of this process sends pauses for `pause` right after it proved
+/// its claimed transaction is still the claim's (the savepoint's release),
+/// once; a zero `pause` disarms it. The crate's Galera test lands a
+/// replicated writer's abort there.
+#[cfg(feature = "mysql")]
+#[doc(hidden)]
+pub fn pause_after_next_proof(pause: Duration) {
+    let ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX);
+    crate::store::mysql::PAUSE_AFTER_PROOF_MS.store(ms, Ordering::SeqCst);
+}
+
 /// The setup of a suite that needs none.
 pub fn no_setup() {}
 
