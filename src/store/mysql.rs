@@ -272,10 +272,15 @@ impl Backend for MySql {
         // One round trip: (undo the business writes,) record, read the
         // expiry, prove the claimed transaction is still ours by releasing
         // its savepoint (after the writes: see `proof`), commit, and turn
-        // autocommit back on. The read fails (a scalar subquery of two
-        // rows) when the `UPDATE` changed no row (`ROW_COUNT()`, the view
-        // named once more would cost the server a subquery each), so the
-        // COMMIT never runs without the recorded row. On any error the
+        // autocommit back on. The expiry comes back without a read of the
+        // row (MariaDB has no `UPDATE … RETURNING`, and a read through the
+        // view costs the server a view expansion): the `UPDATE` hands it
+        // to the session's `LAST_INSERT_ID()` (the ledger has no
+        // auto-increment column, so a connection's value after a
+        // recording is that expiry, as after any insert it is that
+        // insert's id). The read fails (a scalar subquery of two rows)
+        // when the `UPDATE` changed no row (`ROW_COUNT()`), so the COMMIT
+        // never runs without the recorded row. On any error the
         // transaction is rolled back (`END_CLAIM`, which restores
         // autocommit; a `ROLLBACK` after a `COMMIT` that landed finds no
         // transaction and does nothing), or the connection closed. A
@@ -284,12 +289,11 @@ impl Backend for MySql {
         let resource = resource_literal(c);
         let row = DIALECT.scope(&mut Args::new(), scope);
         let status = c.status.as_str();
-        let recorded = format!("idempotency_records WHERE {row} AND status = '{status}'");
         let sql = format!(
             "{undo}{pinned}UPDATE idempotency_records SET status = '{status}', response_status = {}, \
-             response_headers = X'{}', response_body = X'{}', resource_id = {resource} \
-             WHERE {row}; \
-             {pinned}SELECT (SELECT expires_at FROM {recorded} \
+             response_headers = X'{}', response_body = X'{}', resource_id = {resource}, \
+             expires_at = LAST_INSERT_ID(expires_at) WHERE {row}; \
+             {pinned}SELECT (SELECT CAST(LAST_INSERT_ID() AS SIGNED) FROM DUAL WHERE ROW_COUNT() = 1 \
              UNION ALL SELECT -1 FROM DUAL WHERE ROW_COUNT() < 1 \
              UNION ALL SELECT -2 FROM DUAL WHERE ROW_COUNT() < 1), \
              {CHAINS}; {proof}; {commit}",
