@@ -446,7 +446,7 @@ async fn lease_taken_over_on_another_node(cluster: &Cluster) -> Vec<String> {
     faults
 }
 
-/// The handler of [`abort_after_the_proof`]: an order row and the one
+/// The handler of [`abort_at_the_proof`]: an order row and the one
 /// row every request updates, on the claimed transaction.
 async fn order_and_hot_row(tx: tower_idempotency::Tx<sqlx::MySql>) -> axum::response::Response {
     use axum::response::IntoResponse;
@@ -482,19 +482,25 @@ async fn order_and_hot_row(tx: tower_idempotency::Tx<sqlx::MySql>) -> axum::resp
 
 /// A replicated writer's abort that lands inside a request's recording
 /// batch, right after the batch proved its claimed transaction (the
-/// savepoint's release, where `pause_after_next_proof` holds the batch):
-/// MariaDB runs the rest of such a batch in a new transaction and its
-/// `COMMIT` commits that one, so a ledger write placed after the proof
-/// would commit without the order it names. Nothing of the aborted request
-/// may commit. Both modes; the writer is a duplicate of the key on node 1,
-/// or a plain write there of the row the handler updated.
-async fn abort_after_the_proof(cluster: &Cluster) -> Vec<String> {
-    use tower_idempotency::testkit::{order, pause_after_next_proof, send};
+/// savepoint's release) or right before (after its writes), where
+/// `pause_at_next_proof` holds the batch: MariaDB runs the rest of such a
+/// batch in a new transaction and its `COMMIT` commits that one, so a
+/// ledger write placed after the proof would commit without the order it
+/// names. Nothing of the aborted request may commit. Both modes; the
+/// writer is a duplicate of the key on node 1, or a plain write there of
+/// the row the handler updated; the writer goes once node 0 shows the
+/// batch in its pause, and node 0 must count the abort.
+async fn abort_at_the_proof(cluster: &Cluster) -> Vec<String> {
+    use tower_idempotency::testkit::{order, pause_at_next_proof, send};
     let mut faults = Vec::new();
     let cases = [(false, true), (false, false), (true, true), (true, false)];
-    for (i, (at_commit, duplicate)) in cases.into_iter().enumerate() {
+    let cases = cases
+        .into_iter()
+        .flat_map(|c| [(c, false), (c, true)])
+        .enumerate();
+    for (i, ((at_commit, duplicate), before_proof)) in cases {
         let case = format!(
-            "{} against {}",
+            "{} against {}, the abort {} the proof",
             if at_commit {
                 "at commit"
             } else {
@@ -504,7 +510,8 @@ async fn abort_after_the_proof(cluster: &Cluster) -> Vec<String> {
                 "a duplicate"
             } else {
                 "a write of the row"
-            }
+            },
+            if before_proof { "before" } else { "after" }
         );
         let db = format!("proof{i}");
         cluster.create_database(&db);
@@ -547,12 +554,27 @@ async fn abort_after_the_proof(cluster: &Cluster) -> Vec<String> {
         };
         let (app0, app1) = (app(p0.clone()), app(p1.clone()));
         let key = format!("proof-{i}");
-        pause_after_next_proof(Duration::from_millis(1500));
+        let aborts_before = cluster.conflicts(0);
+        pause_at_next_proof(Duration::from_millis(2000), before_proof);
         let victim = {
             let key = key.clone();
             tokio::spawn(async move { send(&app0, order(None, Some(&key), "{}")).await })
         };
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // The victim's batch in its pause (bounded: a victim that never gets
+        // there is still aborted, and judged the same).
+        for _ in 0..100 {
+            let pausing: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+                 WHERE STATE = 'User sleep' AND INFO LIKE '%SLEEP(2.000)%'",
+            )
+            .fetch_one(&p0)
+            .await
+            .unwrap();
+            if pausing > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         if duplicate {
             let other = send(&app1, order(None, Some(&key), "{}")).await;
             if other.status != StatusCode::CREATED {
@@ -565,7 +587,10 @@ async fn abort_after_the_proof(cluster: &Cluster) -> Vec<String> {
                 .unwrap();
         }
         let victim = victim.await.unwrap();
-        pause_after_next_proof(Duration::ZERO);
+        pause_at_next_proof(Duration::ZERO, false);
+        if cluster.conflicts(0) <= aborts_before {
+            faults.push(format!("{case}: node 0 counted no abort"));
+        }
         let judge = one_connection(&cluster.url(2, &db)).await;
         sqlx::raw_sql("SET SESSION wsrep_sync_wait = 1")
             .execute(&judge)
@@ -655,7 +680,7 @@ async fn galera_cluster_keeps_one_effect_per_key() {
         faults.extend(r.faults);
     }
     let conflicts: i64 = (0..3).map(|i| cluster.conflicts(i)).sum();
-    faults.extend(abort_after_the_proof(&cluster).await);
+    faults.extend(abort_at_the_proof(&cluster).await);
     faults.extend(lease_taken_over_on_another_node(&cluster).await);
     faults.extend(node_killed_mid_transaction(&mut cluster).await);
     eprintln!(

@@ -310,9 +310,11 @@ pub trait Backend: Database {
 
     /// Records the terminal state of `claim`'s scope (for `FailedFinal`,
     /// after rolling back to the claim's savepoint) and commits, checking
-    /// first that the claimed transaction is still the one the claim began
+    /// that the claimed transaction is still the one the claim began
     /// ([`FinishError::Ended`], or an error of kind
-    /// [`StoreErrorKind::TransactionEnded`], when it is not). PostgreSQL
+    /// [`StoreErrorKind::TransactionEnded`], when it is not) before the
+    /// `COMMIT` (MySQL/MariaDB: after the writes, the check being the last
+    /// statement before the `COMMIT`). PostgreSQL
     /// writes its one ledger row here; the other stores update the row
     /// the claim inserted.
     /// Returns the key's `expires_at` (epoch milliseconds, database clock).
@@ -524,9 +526,9 @@ pub trait Backend: Database {
     /// Begins the transaction of one lease-mode phase, at `isolation`
     /// (for that transaction only), as the claim's does where
     /// [`CLAIMS_RUN_WITHOUT_AUTOCOMMIT`](Backend::CLAIMS_RUN_WITHOUT_AUTOCOMMIT)
-    /// (autocommit off, a savepoint that `commit_fenced` checks first, so a
-    /// phase the server rolled back on its own commits nothing, its point
-    /// included).
+    /// (autocommit off, a savepoint that `commit_fenced` checks after its
+    /// write, so a phase the server rolled back on its own commits nothing,
+    /// its point included).
     fn begin_phase(
         pool: &Pool<Self>,
         isolation: IsolationLevel,
@@ -616,9 +618,10 @@ pub(crate) struct Savepoint {
     /// Opens the recording of a final failure: the business writes are
     /// undone, then the savepoint is released.
     undo_and_release: String,
-    /// Opens any other recording: releasing the savepoint proves the
-    /// claimed transaction is still ours (it fails,
-    /// [`StoreErrorKind::TransactionEnded`], when the handler ended it).
+    /// Releases it, which proves the claimed transaction is still ours (it
+    /// fails, [`StoreErrorKind::TransactionEnded`], when the handler or
+    /// the server ended it): SQLite's recordings open with it, MySQL's
+    /// batches send it after their writes.
     release: String,
 }
 

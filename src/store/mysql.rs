@@ -85,12 +85,17 @@ const SYNC_READ: &str = concat!(
 static NO_SYNC_WAIT: AtomicBool = AtomicBool::new(false);
 
 /// A pause, in milliseconds, that the next recording batch takes right
-/// after it released the claim's savepoint, once (0: none); armed by
-/// [`crate::testkit::pause_after_next_proof`], so a test can land a
+/// after it released the claim's savepoint (or right before, with
+/// [`PAUSE_BEFORE_PROOF`]), once (0: none); armed by
+/// [`crate::testkit::pause_at_next_proof`], so a test can land a
 /// replicated writer's abort at that point of the batch.
 #[cfg(feature = "testkit")]
-pub(crate) static PAUSE_AFTER_PROOF_MS: std::sync::atomic::AtomicU64 =
+pub(crate) static PAUSE_AT_PROOF_MS: std::sync::atomic::AtomicU64 =
     std::sync::atomic::AtomicU64::new(0);
+
+/// The bit of [`PAUSE_AT_PROOF_MS`] that puts the pause before the proof.
+#[cfg(feature = "testkit")]
+pub(crate) const PAUSE_BEFORE_PROOF: u64 = 1 << 63;
 
 /// Releases the claim's savepoint, which proves the claimed transaction is
 /// still the one the claim began: it fails (`ER_SP_DOES_NOT_EXIST`, or the
@@ -107,27 +112,37 @@ pub(crate) static PAUSE_AFTER_PROOF_MS: std::sync::atomic::AtomicU64 =
 /// before it is followed by a proof that fails, and the batch stops. An
 /// abort after the proof leaves nothing but the `COMMIT`, of an empty
 /// transaction, which reports the deadlock (tests/galera.rs,
-/// `abort_after_the_proof`).
+/// `abort_at_the_proof`).
 fn proof() -> std::borrow::Cow<'static, str> {
     let release = Savepoint::get().release(RecordStatus::Succeeded);
     #[cfg(feature = "testkit")]
     {
-        let ms = PAUSE_AFTER_PROOF_MS.swap(0, Ordering::SeqCst);
+        let armed = PAUSE_AT_PROOF_MS.swap(0, Ordering::SeqCst);
+        let ms = armed & !PAUSE_BEFORE_PROOF;
         if ms > 0 {
-            return format!("{release}; DO SLEEP({}.{:03})", ms / 1000, ms % 1000).into();
+            let pause = format!("DO SLEEP({}.{:03})", ms / 1000, ms % 1000);
+            return if armed & PAUSE_BEFORE_PROOF != 0 {
+                format!("{pause}; {release}")
+            } else {
+                format!("{release}; {pause}")
+            }
+            .into();
         }
     }
     release.into()
 }
 
-/// What opens a recording batch: for a final failure, the business writes
-/// undone (the savepoint stays, for the [`proof`] at the batch's end);
-/// nothing otherwise.
-fn undo_first(status: RecordStatus) -> String {
+/// What opens every batch that writes on a claimed (or phase) transaction:
+/// autocommit off again (a handler's `SET autocommit = 1` committed the
+/// transaction and would make the batch's writes commit one by one before
+/// the [`proof`] fails; off, they wait for a `COMMIT` that never comes),
+/// then, for a final failure, the business writes undone (the savepoint
+/// stays, for the proof at the batch's end).
+fn opening(status: RecordStatus) -> String {
     if status == RecordStatus::FailedFinal {
-        format!("{}; ", Savepoint::get().undo)
+        format!("SET autocommit = 0; {}; ", Savepoint::get().undo)
     } else {
-        String::new()
+        "SET autocommit = 0; ".to_owned()
     }
 }
 
@@ -290,7 +305,7 @@ impl Backend for MySql {
         let row = DIALECT.scope(&mut Args::new(), scope);
         let status = c.status.as_str();
         let sql = format!(
-            "{undo}{pinned}UPDATE idempotency_records SET status = '{status}', response_status = {}, \
+            "{open}{bounded}UPDATE /*+ SET_VAR(innodb_lock_wait_timeout = 1) */ idempotency_records SET status = '{status}', response_status = {}, \
              response_headers = X'{}', response_body = X'{}', resource_id = {resource}, \
              expires_at = LAST_INSERT_ID(expires_at) WHERE {row}; \
              {pinned}SELECT (SELECT CAST(LAST_INSERT_ID() AS SIGNED) FROM DUAL WHERE ROW_COUNT() = 1 \
@@ -300,7 +315,12 @@ impl Backend for MySql {
             c.response_status,
             hex(c.response_headers),
             hex(c.response_body),
-            undo = undo_first(c.status),
+            open = opening(c.status),
+            bounded = concat!(
+                "/*M!100301 SET STATEMENT innodb_lock_wait_timeout = 0, ",
+                pinned_vars!(),
+                " FOR */ "
+            ),
             pinned = pinned!(),
             proof = proof(),
             commit = commit!(),
@@ -309,10 +329,12 @@ impl Backend for MySql {
         let ran = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await;
         match ran {
             // ER_SUBQUERY_NO_1_ROW, the read's: the `UPDATE` found no row
-            // of the claim, so the transaction is no longer the claim's
-            // (the handler or the server ended it, and the batch ran on in
-            // a new one, which is rolled back).
-            Err(e) if number(&e) == Some(1242) => {
+            // of the claim; ER_LOCK_WAIT_TIMEOUT: the `UPDATE` (whose wait
+            // is bounded at once) met another transaction's lock on the
+            // row the claim holds. Either way the transaction is no longer
+            // the claim's (the handler or the server ended it, and the
+            // batch ran on in a new one, which is rolled back).
+            Err(e) if matches!(number(&e), Some(1242 | 1205)) => {
                 tx.rollback().await;
                 Err(FinishError::Ended(e))
             }
@@ -361,7 +383,7 @@ impl Backend for MySql {
             hex(claim.scope.key.as_bytes()),
         );
         let sql = format!(
-            "{undo}{insert}INTO idempotency_records \
+            "{open}{insert}INTO idempotency_records \
              (principal_id, operation, idem_key, request_fingerprint, status, response_status, \
              response_headers, response_body, resource_id, created_at, expires_at) \
              VALUES (X'{principal}', X'{operation}', X'{key}', X'{fingerprint}', '{status}', \
@@ -371,7 +393,7 @@ impl Backend for MySql {
              /*M!100500 (SELECT 0 AS expires_at) AS returned WHERE FALSE */; \
              {proof}; {commit}",
             row = DIALECT.scope(&mut Args::new(), &claim.scope),
-            undo = undo_first(c.status),
+            open = opening(c.status),
             proof = proof(),
             insert = bounded_insert(claim),
             fingerprint = hex(claim.fingerprint),
@@ -385,16 +407,33 @@ impl Backend for MySql {
         );
         let sql = in_ledger(&sql, claim.database);
         let ran = sqlx::raw_sql(AssertSqlSafe(sql)).fetch_all(&mut *tx).await;
-        if let Err(e) = &ran
-            && e.as_database_error()
-                .is_some_and(|d| d.is_unique_violation())
-        {
-            tx.rollback().await;
-            return Ok(AtCommitOutcome::Lost(None));
+        match ran {
+            Err(e)
+                if e.as_database_error()
+                    .is_some_and(|d| d.is_unique_violation()) =>
+            {
+                tx.rollback().await;
+                Ok(AtCommitOutcome::Lost(None))
+            }
+            // The insert's bounded wait ran out: on another request's
+            // uncommitted row, or, when the transaction was no longer the
+            // claim's (the batch ran on in a new one), on anything. The
+            // savepoint says which.
+            Err(e) if number(&e) == Some(1205) => {
+                let ended = Self::check_savepoint(&mut tx)
+                    .await
+                    .is_err_and(|e| Self::error_kind(&e) == StoreErrorKind::TransactionEnded);
+                tx.rollback().await;
+                Err(if ended {
+                    FinishError::Ended(e)
+                } else {
+                    FinishError::Store(e)
+                })
+            }
+            ran => settle_recording(tx, ran)
+                .await
+                .map(AtCommitOutcome::Committed),
         }
-        settle_recording(tx, ran)
-            .await
-            .map(AtCommitOutcome::Committed)
     }
 
     async fn causal_wait(conn: &mut sqlx::MySqlConnection) -> Result<bool, sqlx::Error> {
@@ -554,7 +593,8 @@ impl Backend for MySql {
         let database = Self::database(pool);
         let written = async {
             let sql = format!(
-                "{}; {}",
+                "{}{}; {}",
+                opening(RecordStatus::Succeeded),
                 with_lock_wait(
                     LEASE_LOCK_WAIT_SECS,
                     &DIALECT.write(&mut Vec::new(), scope, fence, write)

@@ -1324,6 +1324,24 @@ pub async fn handler_that_ends_the_transaction_is_held_for_reconciliation<DB: Co
         .await;
         assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
         assert_eq!(h.orders().await, 1);
+        // A ROLLBACK, and then another request's claim of the key holds
+        // the row, uncommitted: the recording, in a transaction that is no
+        // longer the claim's, does not wait on that lock. The answer comes
+        // while the other claim still holds it (let go 20 s on otherwise).
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let key = format!(
+            "rollback_held_{}",
+            N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        );
+        let body = r#"{"amount":1,"mode":"rollback_held_201"}"#;
+        let a = send(&app, order(ALICE, Some(&key), body)).await;
+        assert!(
+            super::let_go(&key),
+            "the recording waited for another request's claim of the key"
+        );
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
+        assert_eq!(a.problem(), "transaction-conflict");
+        assert_eq!(h.orders().await, 1, "only the retry's order above");
         DB::exec(h.plain(), "DELETE FROM orders").await;
         DB::exec(h.plain(), "DELETE FROM idempotency_records").await;
         h.executions.store(0, std::sync::atomic::Ordering::SeqCst);
@@ -1332,6 +1350,7 @@ pub async fn handler_that_ends_the_transaction_is_held_for_reconciliation<DB: Co
     }
     if DB::LABEL == "mysql" {
         modes.push("ddl_201");
+        modes.push("autocommit_201");
     }
     for mode in &modes {
         let body = format!(r#"{{"amount":1,"mode":"{mode}"}}"#);

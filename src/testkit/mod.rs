@@ -111,13 +111,35 @@ pub trait ConformanceDb: Backend + Sized {
 /// Fault injection for MySQL/MariaDB tests: the next recording batch a
 /// layer of this process sends pauses for `pause` right after it proved
 /// its claimed transaction is still the claim's (the savepoint's release),
-/// once; a zero `pause` disarms it. The crate's Galera test lands a
-/// replicated writer's abort there.
+/// or right before (`before_proof`), once; a zero `pause` disarms it. The
+/// crate's Galera test lands a replicated writer's abort there.
 #[cfg(feature = "mysql")]
 #[doc(hidden)]
-pub fn pause_after_next_proof(pause: Duration) {
-    let ms = u64::try_from(pause.as_millis()).unwrap_or(u64::MAX);
-    crate::store::mysql::PAUSE_AFTER_PROOF_MS.store(ms, Ordering::SeqCst);
+pub fn pause_at_next_proof(pause: Duration, before_proof: bool) {
+    use crate::store::mysql::{PAUSE_AT_PROOF_MS, PAUSE_BEFORE_PROOF};
+    let ms = u64::try_from(pause.as_millis())
+        .map_or(!PAUSE_BEFORE_PROOF, |ms| ms.min(!PAUSE_BEFORE_PROOF));
+    let armed = if before_proof && ms > 0 {
+        ms | PAUSE_BEFORE_PROOF
+    } else {
+        ms
+    };
+    PAUSE_AT_PROOF_MS.store(armed, Ordering::SeqCst);
+}
+
+/// Claims the test handler holds past its answer (`rollback_held_201`), by
+/// key, until [`let_go`] drops them (rolled back), at the latest 20 s on.
+type Held = Vec<(String, Box<dyn std::any::Any + Send>)>;
+static HELD: std::sync::Mutex<Held> = std::sync::Mutex::new(Vec::new());
+
+/// Drops the claim held for `key`; whether it was still held.
+fn let_go(key: &str) -> bool {
+    let mut held = HELD
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let before = held.len();
+    held.retain(|(k, _)| k != key);
+    held.len() != before
 }
 
 /// The setup of a suite that needs none.
@@ -543,6 +565,29 @@ async fn create_order<DB: ConformanceDb>(
         "delete_ledger" => DB::exec_on(&mut conn, "DELETE FROM idempotency_records")
             .await
             .unwrap(),
+        // ROLLBACK, then another request's claim of the same key holds its
+        // row, uncommitted, past this answer (see `let_go`).
+        "rollback_held_201" => {
+            DB::exec_on(&mut conn, "ROLLBACK").await.unwrap();
+            let key = headers
+                .get("idempotency-key")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_owned();
+            let held = DB::hold_claim(&st.pool, &principal, "POST /orders", &key).await;
+            HELD.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push((key.clone(), Box::new(held)));
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                let_go(&key);
+            });
+        }
+        // MySQL: autocommit turned back on, which commits the claimed
+        // transaction (and would commit each later statement on its own).
+        "autocommit_201" if DB::LABEL == "mysql" => {
+            DB::exec_on(&mut conn, "SET autocommit = 1").await.unwrap();
+        }
         // MySQL's DDL commits implicitly (elsewhere it is transactional).
         "ddl_201" if DB::LABEL == "mysql" => {
             DB::exec_on(&mut conn, "CREATE TABLE implicit_commit (id INT)")
