@@ -446,17 +446,22 @@ async fn lease_taken_over_on_another_node(cluster: &Cluster) -> Vec<String> {
     faults
 }
 
+/// An order id no other request of this process uses.
+fn next_order_id() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    format!(
+        "o-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    )
+}
+
 /// The handler of [`abort_at_the_proof`]: an order row and the one
 /// row every request updates, on the claimed transaction.
 async fn order_and_hot_row(tx: tower_idempotency::Tx<sqlx::MySql>) -> axum::response::Response {
     use axum::response::IntoResponse;
     use tower_idempotency::HandlerError;
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let id = format!(
-        "o-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-    );
+    let id = next_order_id();
     let Ok(mut conn) = tx.lock() else {
         return StatusCode::INTERNAL_SERVER_ERROR.into_response();
     };
@@ -480,32 +485,78 @@ async fn order_and_hot_row(tx: tower_idempotency::Tx<sqlx::MySql>) -> axum::resp
         .into_response()
 }
 
+/// How [`abort_at_the_proof`]'s layer runs.
+#[derive(Debug, Clone, Copy)]
+enum Mode {
+    ClaimFirst,
+    AtCommit,
+    Lease,
+}
+
+/// [`order_and_hot_row`] in lease mode: the same writes in one phase,
+/// committed with a recovery point.
+async fn leased_order_and_hot_row(
+    leased: tower_idempotency::lease::Leased<sqlx::MySql>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    use tower_idempotency::HandlerError;
+    let mut phase = match leased.phase().await {
+        Ok(phase) => phase,
+        Err(e) => return e.into_response(),
+    };
+    let id = next_order_id();
+    let wrote = async {
+        sqlx::query("INSERT INTO orders (id) VALUES (?)")
+            .bind(&id)
+            .execute(&mut *phase)
+            .await?;
+        sqlx::query("UPDATE hot SET n = n + 1 WHERE id = 1")
+            .execute(&mut *phase)
+            .await
+    };
+    if let Err(e) = wrote.await {
+        return HandlerError::from(e).into_response();
+    }
+    if let Err(e) = phase.commit("ordered").await {
+        return e.into_response();
+    }
+    (
+        StatusCode::CREATED,
+        axum::Extension(tower_idempotency::ResourceId::new(id.clone())),
+        axum::Json(serde_json::json!({ "orderId": id })),
+    )
+        .into_response()
+}
+
 /// A replicated writer's abort that lands inside a request's recording
 /// batch, right after the batch proved its claimed transaction (the
 /// savepoint's release) or right before (after its writes), where
 /// `pause_at_next_proof` holds the batch: MariaDB runs the rest of such a
 /// batch in a new transaction and its `COMMIT` commits that one, so a
 /// ledger write placed after the proof would commit without the order it
-/// names. Nothing of the aborted request may commit. Both modes; the
-/// writer is a duplicate of the key on node 1, or a plain write there of
-/// the row the handler updated; the writer goes once node 0 shows the
-/// batch in its pause, and node 0 must count the abort.
+/// names. Nothing of the aborted request may commit. Both modes, and
+/// lease mode's phase (its recovery point and business rows); the writer
+/// is a duplicate of the key on node 1 (not in lease mode, where it would
+/// wait for the lease), or a plain write there of the row the handler
+/// updated; the writer goes once node 0 shows the batch in its pause, and
+/// node 0 must count the abort.
 async fn abort_at_the_proof(cluster: &Cluster) -> Vec<String> {
     use tower_idempotency::testkit::{order, pause_at_next_proof, send};
     let mut faults = Vec::new();
-    let cases = [(false, true), (false, false), (true, true), (true, false)];
+    let cases = [
+        (Mode::ClaimFirst, true),
+        (Mode::ClaimFirst, false),
+        (Mode::AtCommit, true),
+        (Mode::AtCommit, false),
+        (Mode::Lease, false),
+    ];
     let cases = cases
         .into_iter()
         .flat_map(|c| [(c, false), (c, true)])
         .enumerate();
-    for (i, ((at_commit, duplicate), before_proof)) in cases {
+    for (i, ((mode, duplicate), before_proof)) in cases {
         let case = format!(
-            "{} against {}, the abort {} the proof",
-            if at_commit {
-                "at commit"
-            } else {
-                "claim first"
-            },
+            "{mode:?} against {}, the abort {} the proof",
             if duplicate {
                 "a duplicate"
             } else {
@@ -543,14 +594,18 @@ async fn abort_at_the_proof(cluster: &Cluster) -> Vec<String> {
         let app = |pool: sqlx::MySqlPool| {
             let layer = tower_idempotency::IdempotencyLayer::new(pool)
                 .with_principal(|_| Some(tower_idempotency::Principal::new("galera")));
-            let layer = if at_commit {
-                layer.with_claim_at_commit()
-            } else {
-                layer
+            let route = match mode {
+                Mode::Lease => axum::routing::post(leased_order_and_hot_row),
+                _ => axum::routing::post(order_and_hot_row),
             };
-            axum::Router::new()
-                .route("/orders", axum::routing::post(order_and_hot_row))
-                .layer(layer)
+            let layer = match mode {
+                Mode::ClaimFirst => layer,
+                Mode::AtCommit => layer.with_claim_at_commit(),
+                Mode::Lease => layer.with_lease(
+                    tower_idempotency::lease::LeaseMode::new(Duration::from_secs(5)).unwrap(),
+                ),
+            };
+            axum::Router::new().route("/orders", route).layer(layer)
         };
         let (app0, app1) = (app(p0.clone()), app(p1.clone()));
         let key = format!("proof-{i}");
@@ -608,20 +663,29 @@ async fn abort_at_the_proof(cluster: &Cluster) -> Vec<String> {
         let orders = count("SELECT COUNT(*) FROM orders").await;
         let ledger = count("SELECT COUNT(*) FROM idempotency_records").await;
         let orphaned = count(
-            "SELECT COUNT(*) FROM idempotency_records r \
-             WHERE NOT EXISTS (SELECT 1 FROM orders o WHERE o.id = r.resource_id)",
+            "SELECT COUNT(*) FROM idempotency_records r WHERE r.resource_id IS NOT NULL \
+             AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.id = r.resource_id)",
         )
         .await;
+        let points =
+            count("SELECT COUNT(*) FROM idempotency_records WHERE recovery_point IS NOT NULL")
+                .await;
         let unledgered = count(
             "SELECT COUNT(*) FROM orders o \
              WHERE NOT EXISTS (SELECT 1 FROM idempotency_records r WHERE r.resource_id = o.id)",
         )
         .await;
-        let want = (i64::from(duplicate), i64::from(duplicate), 0, 0);
-        if (orders, ledger, orphaned, unledgered) != want {
+        // Lease mode's claim commits at once: its row stays, at no point.
+        let rows = i64::from(duplicate);
+        let want = match mode {
+            Mode::Lease => (0, 1, 0, 0, 0),
+            _ => (rows, rows, 0, 0, 0),
+        };
+        if (orders, ledger, orphaned, unledgered, points) != want {
             faults.push(format!(
                 "{case}: orders {orders}, ledger {ledger}, orphaned {orphaned}, \
-                 unledgered {unledgered} (the aborted request's answer: {} {})",
+                 unledgered {unledgered}, recovery points {points} \
+                 (the aborted request's answer: {} {})",
                 victim.status,
                 String::from_utf8_lossy(&victim.body)
             ));
