@@ -446,43 +446,47 @@ async fn lease_taken_over_on_another_node(cluster: &Cluster) -> Vec<String> {
     faults
 }
 
-/// An order id no other request of this process uses.
-fn next_order_id() -> String {
+/// The writes of [`abort_at_the_proof`]'s handlers: an order row and the
+/// one row every request updates; the order's id.
+async fn order_and_hot_row_on(conn: &mut sqlx::MySqlConnection) -> Result<String, sqlx::Error> {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    format!(
+    let id = format!(
         "o-{}-{}",
         std::process::id(),
         NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-    )
+    );
+    sqlx::query("INSERT INTO orders (id) VALUES (?)")
+        .bind(&id)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query("UPDATE hot SET n = n + 1 WHERE id = 1")
+        .execute(&mut *conn)
+        .await?;
+    Ok(id)
 }
 
-/// The handler of [`abort_at_the_proof`]: an order row and the one
-/// row every request updates, on the claimed transaction.
-async fn order_and_hot_row(tx: tower_idempotency::Tx<sqlx::MySql>) -> axum::response::Response {
+/// The `201` for order `id`, its resource id recorded.
+fn created(id: String) -> axum::response::Response {
     use axum::response::IntoResponse;
-    use tower_idempotency::HandlerError;
-    let id = next_order_id();
-    let Ok(mut conn) = tx.lock() else {
-        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
-    };
-    let wrote = async {
-        sqlx::query("INSERT INTO orders (id) VALUES (?)")
-            .bind(&id)
-            .execute(&mut *conn)
-            .await?;
-        sqlx::query("UPDATE hot SET n = n + 1 WHERE id = 1")
-            .execute(&mut *conn)
-            .await
-    };
-    if let Err(e) = wrote.await {
-        return HandlerError::from(e).into_response();
-    }
     (
         StatusCode::CREATED,
         axum::Extension(tower_idempotency::ResourceId::new(id.clone())),
         axum::Json(serde_json::json!({ "orderId": id })),
     )
         .into_response()
+}
+
+/// The handler of [`abort_at_the_proof`]: [`order_and_hot_row_on`] the
+/// claimed transaction.
+async fn order_and_hot_row(tx: tower_idempotency::Tx<sqlx::MySql>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let Ok(mut conn) = tx.lock() else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    match order_and_hot_row_on(&mut conn).await {
+        Ok(id) => created(id),
+        Err(e) => tower_idempotency::HandlerError::from(e).into_response(),
+    }
 }
 
 /// How [`abort_at_the_proof`]'s layer runs.
@@ -499,33 +503,18 @@ async fn leased_order_and_hot_row(
     leased: tower_idempotency::lease::Leased<sqlx::MySql>,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
-    use tower_idempotency::HandlerError;
     let mut phase = match leased.phase().await {
         Ok(phase) => phase,
         Err(e) => return e.into_response(),
     };
-    let id = next_order_id();
-    let wrote = async {
-        sqlx::query("INSERT INTO orders (id) VALUES (?)")
-            .bind(&id)
-            .execute(&mut *phase)
-            .await?;
-        sqlx::query("UPDATE hot SET n = n + 1 WHERE id = 1")
-            .execute(&mut *phase)
-            .await
+    let id = match order_and_hot_row_on(&mut phase).await {
+        Ok(id) => id,
+        Err(e) => return tower_idempotency::HandlerError::from(e).into_response(),
     };
-    if let Err(e) = wrote.await {
-        return HandlerError::from(e).into_response();
+    match phase.commit("ordered").await {
+        Ok(()) => created(id),
+        Err(e) => e.into_response(),
     }
-    if let Err(e) = phase.commit("ordered").await {
-        return e.into_response();
-    }
-    (
-        StatusCode::CREATED,
-        axum::Extension(tower_idempotency::ResourceId::new(id.clone())),
-        axum::Json(serde_json::json!({ "orderId": id })),
-    )
-        .into_response()
 }
 
 /// A replicated writer's abort that lands inside a request's recording
