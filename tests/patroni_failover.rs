@@ -780,6 +780,10 @@ async fn a_read_only_leader_is_answered_503_not_500() {
     let leader = tokio::task::block_in_place(|| cluster.leader())
         .expect("a leader")
         .name;
+    // `pg_reload_conf()` only signals the postmaster, which re-reads the
+    // file and then signals every backend: a new session that shows the
+    // value proves the postmaster has, so the service's pooled backends
+    // take it before their next command.
     let set = |value: &str| {
         let sql = format!("ALTER SYSTEM SET default_transaction_read_only = {value}");
         tokio::task::block_in_place(|| {
@@ -787,6 +791,18 @@ async fn a_read_only_leader_is_answered_503_not_500() {
             cluster
                 .query(&leader, "SELECT pg_reload_conf()")
                 .expect("reload");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while cluster
+                .query(&leader, "SHOW default_transaction_read_only")
+                .as_deref()
+                != Ok(value)
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "default_transaction_read_only never became {value}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
         });
     };
     set("on");

@@ -284,15 +284,18 @@ impl Backend for MySql {
         c: &Completion<'_>,
     ) -> Result<i64, FinishError> {
         let scope = &claim.scope;
-        // One round trip: (undo the business writes,) record, read the
-        // expiry, prove the claimed transaction is still ours by releasing
-        // its savepoint (after the writes: see `proof`), commit, and turn
-        // autocommit back on. The expiry comes back without a read of the
-        // row (MariaDB has no `UPDATE … RETURNING`, and a read through the
-        // view costs the server a view expansion): the `UPDATE` hands it
-        // to the session's `LAST_INSERT_ID()` (the ledger has no
-        // auto-increment column, so a connection's value after a
-        // recording is that expiry, as after any insert it is that
+        // One round trip: autocommit off again (and the business writes
+        // undone, for a final failure; see `opening`), record (the
+        // `UPDATE`'s lock wait bounded at once: the claim holds its row's
+        // lock, so a wait means the transaction is no longer the claim's),
+        // read the expiry, prove the claimed transaction is still ours by
+        // releasing its savepoint (after the writes: see `proof`), commit,
+        // and turn autocommit back on. The expiry comes back without a
+        // read of the row (MariaDB has no `UPDATE … RETURNING`, and a read
+        // through the view costs the server a view expansion): the
+        // `UPDATE` hands it to the session's `LAST_INSERT_ID()` (the
+        // ledger has no auto-increment column, so a connection's value
+        // after a recording is that expiry, as after any insert it is that
         // insert's id). The read fails (a scalar subquery of two rows)
         // when the `UPDATE` changed no row (`ROW_COUNT()`), so the COMMIT
         // never runs without the recorded row. On any error the
@@ -363,7 +366,8 @@ impl Backend for MySql {
         claim: &Claim<'_>,
         c: &Completion<'_>,
     ) -> Result<AtCommitOutcome, FinishError> {
-        // One round trip: (undo the business writes,) insert the scope's
+        // One round trip: autocommit off again (and the business writes
+        // undone, for a final failure; see `opening`), insert the scope's
         // finished row (its lock wait bounded for the insert alone), read
         // its expiry, prove the claimed transaction is still ours by
         // releasing its savepoint (after the write: see `proof`), commit,
