@@ -113,13 +113,16 @@ async fn one_connection(url: &str) -> MySqlPool {
         .unwrap()
 }
 
+/// The one integer `sql` reads on `pool`.
+async fn count(pool: &MySqlPool, sql: &'static str) -> i64 {
+    sqlx::query_scalar::<_, i64>(sql)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 async fn rows(pool: &MySqlPool) -> Rows {
-    let one = |sql: &'static str| async move {
-        sqlx::query_scalar::<_, i64>(sql)
-            .fetch_one(pool)
-            .await
-            .unwrap()
-    };
+    let one = |sql| count(pool, sql);
     sqlx::raw_sql("SET SESSION wsrep_sync_wait = 1")
         .execute(pool)
         .await
@@ -640,26 +643,21 @@ async fn abort_at_the_proof(cluster: &Cluster) -> Vec<String> {
             .execute(&judge)
             .await
             .unwrap();
-        let count = |sql: &'static str| {
-            let judge = judge.clone();
-            async move {
-                sqlx::query_scalar::<_, i64>(sql)
-                    .fetch_one(&judge)
-                    .await
-                    .unwrap()
-            }
-        };
-        let orders = count("SELECT COUNT(*) FROM orders").await;
-        let ledger = count("SELECT COUNT(*) FROM idempotency_records").await;
+        let orders = count(&judge, "SELECT COUNT(*) FROM orders").await;
+        let ledger = count(&judge, "SELECT COUNT(*) FROM idempotency_records").await;
         let orphaned = count(
+            &judge,
             "SELECT COUNT(*) FROM idempotency_records r WHERE r.resource_id IS NOT NULL \
              AND NOT EXISTS (SELECT 1 FROM orders o WHERE o.id = r.resource_id)",
         )
         .await;
-        let points =
-            count("SELECT COUNT(*) FROM idempotency_records WHERE recovery_point IS NOT NULL")
-                .await;
+        let points = count(
+            &judge,
+            "SELECT COUNT(*) FROM idempotency_records WHERE recovery_point IS NOT NULL",
+        )
+        .await;
         let unledgered = count(
+            &judge,
             "SELECT COUNT(*) FROM orders o \
              WHERE NOT EXISTS (SELECT 1 FROM idempotency_records r WHERE r.resource_id = o.id)",
         )
