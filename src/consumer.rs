@@ -471,7 +471,7 @@ impl<DB: Backend> Consumer<DB> {
     ) -> Result<Result<Claimed<DB>, Option<Box<Record>>>, ConsumeError<E>> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let conn = match tokio::time::timeout(left, self.pool.acquire()).await {
+            let conn = match tokio::time::timeout(left, crate::store::acquire(&self.pool)).await {
                 Ok(conn) => conn.map_err(ConsumeError::Store)?,
                 Err(_) => return Err(ConsumeError::InFlight),
             };

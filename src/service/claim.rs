@@ -142,7 +142,7 @@ impl<DB: Backend> Run<DB> {
             None
         };
         let left = deadline.saturating_duration_since(Instant::now());
-        let mut conn = match tokio::time::timeout(left, self.pool.acquire()).await {
+        let mut conn = match self.acquire(left).await {
             Ok(conn) => conn?,
             // No connection within what is left of the wait budget: for a
             // request that met another one with its key, still in flight.
@@ -207,7 +207,7 @@ impl<DB: Backend> Run<DB> {
         attempts: u32,
     ) -> Result<Option<Answer>, sqlx::Error> {
         let wait = deadline.saturating_duration_since(Instant::now());
-        let record = self.within(wait, DB::fetch(&self.pool, &id.scope)).await?;
+        let record = self.fetch_within(wait, &id.scope).await?;
         Ok(record.map(|record| self.judge(&record, id, attempts)))
     }
 

@@ -177,8 +177,7 @@ impl<DB: Backend> Run<DB> {
                 // only when the ledger holds it; another one there (a
                 // duplicate on another instance ran the key once this
                 // transaction was gone) is the key's answer, replayed.
-                let read = DB::fetch(&self.pool, &id.scope);
-                let record = match self.within(MIN_READ_WAIT, read).await {
+                let record = match self.fetch_within(MIN_READ_WAIT, &id.scope).await {
                     Ok(Some(record)) => record,
                     _ => return Ok(refuse(commit_unknown(), 1)),
                 };
@@ -340,14 +339,10 @@ impl<DB: Backend> Run<DB> {
             // A read that fails proves nothing: asked once more, then a
             // retryable refusal with the key left as it is (a committed
             // row of this claim, if any, holds it by itself).
-            let mut read = self
-                .within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope))
-                .await;
+            let mut read = self.fetch_within(MIN_READ_WAIT, &id.scope).await;
             if read.is_err() {
                 tokio::time::sleep(self.read_bound(MIN_READ_WAIT)).await;
-                read = self
-                    .within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope))
-                    .await;
+                read = self.fetch_within(MIN_READ_WAIT, &id.scope).await;
             }
             // A default-mode row (no lease) with this request's
             // fingerprint, committed unsettled: this claim's row.
@@ -386,9 +381,7 @@ impl<DB: Backend> Run<DB> {
         e: &sqlx::Error,
     ) -> Response<IdempotencyBody<B>> {
         tracing::warn!(error = %e, "the claimed transaction was rolled back by the database");
-        let read = self
-            .within(MIN_READ_WAIT, DB::fetch(&self.pool, &id.scope))
-            .await;
+        let read = self.fetch_within(MIN_READ_WAIT, &id.scope).await;
         self.answer_after_rollback(id, read)
     }
 

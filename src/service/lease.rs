@@ -134,7 +134,7 @@ impl<DB: Backend> Run<DB> {
         attempts: u32,
     ) -> Lookup<DB> {
         let wait = deadline.saturating_duration_since(Instant::now());
-        let record = match self.within(wait, DB::fetch(&self.pool, &id.scope)).await {
+        let record = match self.fetch_within(wait, &id.scope).await {
             Ok(Some(record)) => record,
             // Deleted in between (a rejected request): claim again.
             Ok(None) => return Lookup::Wait,
@@ -165,7 +165,7 @@ impl<DB: Backend> Run<DB> {
         // The state at the generation just taken, read after the takeover:
         // a write of the earlier owner can have landed since the read above.
         let generation = lease.generation + 1;
-        let saved = match self.within(wait, DB::fetch(&self.pool, &id.scope)).await {
+        let saved = match self.fetch_within(wait, &id.scope).await {
             Ok(record) => record.and_then(|r| r.lease),
             Err(e) => {
                 // Won, but unusable: no lease is left without its owner.

@@ -11,7 +11,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response, header};
@@ -19,6 +19,7 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use pin_project_lite::pin_project;
 use sqlx::Pool;
+use sqlx::pool::PoolConnection;
 use tower_service::Service;
 use tracing::Instrument;
 
@@ -33,7 +34,7 @@ use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::{StoredResponse, Trailers};
 use crate::scope::{bounded, default_operation, http_operation, stored_key};
-use crate::store::{Backend, Scope, StoreErrorKind};
+use crate::store::{Backend, Record, Scope, StoreErrorKind};
 
 mod at_commit;
 mod claim;
@@ -539,21 +540,30 @@ impl<DB: Backend> Run<DB> {
             .map(drop)
     }
 
-    /// A store call bounded by [`read_bound`](Self::read_bound)`(wait)`;
-    /// running out is a busy store, and a call with no time left is not
-    /// started.
-    pub(super) async fn within<T>(
+    /// The scope's committed record ([`Backend::fetch`]), read within
+    /// [`read_bound`](Self::read_bound)`(wait)`; running out is a busy
+    /// store, and a read with no time left is not started.
+    pub(super) async fn fetch_within(
         &self,
-        wait: std::time::Duration,
-        call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
-    ) -> Result<T, sqlx::Error> {
+        wait: Duration,
+        scope: &Scope<'_>,
+    ) -> Result<Option<Record>, sqlx::Error> {
         let wait = self.read_bound(wait);
         if wait.is_zero() {
             return Err(sqlx::Error::PoolTimedOut);
         }
-        tokio::time::timeout(wait, call)
+        tokio::time::timeout(wait, DB::fetch(&self.pool, scope))
             .await
             .unwrap_or(Err(sqlx::Error::PoolTimedOut))
+    }
+
+    /// A pooled connection within `wait` (`Err(Elapsed)`: none came),
+    /// through [`store::acquire`](crate::store::acquire).
+    pub(super) async fn acquire(
+        &self,
+        wait: Duration,
+    ) -> Result<Result<PoolConnection<DB>, sqlx::Error>, tokio::time::error::Elapsed> {
+        tokio::time::timeout(wait, crate::store::acquire(&self.pool)).await
     }
 }
 
@@ -681,6 +691,72 @@ impl<F: Future> Future for CatchUnwind<F> {
             Ok(Poll::Pending) => Poll::Pending,
             Ok(Poll::Ready(out)) => Poll::Ready(Ok(out)),
             Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use http::{Request, Response};
+    use http_body_util::Full;
+    use tower_layer::Layer;
+    use tower_service::Service;
+
+    use crate::IdempotencyLayer;
+    use crate::store::Backend;
+
+    /// The bytes a guarded request's future takes (boxed once, and moved
+    /// whole into its box when the request starts). One type serves every
+    /// mode.
+    fn future_size<DB: Backend>(pool: sqlx::Pool<DB>) -> usize {
+        let handler = tower::service_fn(|_req: Request<_>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::new())))
+        });
+        let mut service = IdempotencyLayer::new(pool).layer(handler);
+        let req = Request::post("/orders")
+            .header("idempotency-key", "k-1")
+            .body(Full::new(Bytes::new()))
+            .expect("a request");
+        let future = service.call(req);
+        std::mem::size_of_val(&*future.inner)
+    }
+
+    /// sqlx's acquire and `begin` futures carry their connect path inline
+    /// (about 8 KiB each): held by value at each place the layer takes a
+    /// connection, they made a request's future 22 KiB on PostgreSQL.
+    /// `store::acquire` and `on_ledger` box them.
+    #[tokio::test]
+    async fn a_request_future_stays_small() {
+        const MOST: usize = 8 * 1024;
+        let sizes = [
+            #[cfg(feature = "sqlite")]
+            (
+                "sqlite",
+                future_size(
+                    sqlx::sqlite::SqlitePoolOptions::new().connect_lazy_with(Default::default()),
+                ),
+            ),
+            #[cfg(feature = "postgres")]
+            (
+                "postgres",
+                future_size(
+                    sqlx::postgres::PgPoolOptions::new().connect_lazy_with(Default::default()),
+                ),
+            ),
+            #[cfg(feature = "mysql")]
+            (
+                "mysql",
+                future_size(
+                    sqlx::mysql::MySqlPoolOptions::new().connect_lazy_with(Default::default()),
+                ),
+            ),
+        ];
+        for (store, size) in sizes {
+            assert!(
+                size <= MOST,
+                "{store}: a request's future takes {size} bytes, over {MOST}"
+            );
         }
     }
 }

@@ -731,6 +731,17 @@ macro_rules! shared_statements {
 }
 use shared_statements;
 
+/// A connection from `pool`. sqlx's acquire future carries its connect
+/// path inline (about 8 KiB); boxed here, it stays out of the future of
+/// every request that takes a connection, which is moved whole when the
+/// request starts (`docs/performance.md`, *The size of a request's
+/// future*).
+pub(crate) async fn acquire<DB: Database>(
+    pool: &Pool<DB>,
+) -> Result<PoolConnection<DB>, sqlx::Error> {
+    Box::pin(pool.acquire()).await
+}
+
 /// Runs one prepared ledger statement (`$body`, on the executor `$ex`,
 /// named and cached as `$cached` says) outside any claim: unnamed where
 /// [`Backend::UNNAMED_IN_TRANSACTIONS`], in a transaction of its own, so
@@ -740,7 +751,8 @@ macro_rules! on_ledger {
     ($db:ty, $pool:expr, |$ex:ident, $cached:ident| $body:expr) => {{
         let $cached = $crate::store::caches_statements($pool);
         if <$db as $crate::store::Backend>::UNNAMED_IN_TRANSACTIONS && !$cached {
-            let mut tx = $pool.begin().await?;
+            // Boxed, as in `acquire`.
+            let mut tx = Box::pin($pool.begin()).await?;
             let out = {
                 let $ex = &mut *tx;
                 $body.await?

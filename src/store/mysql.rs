@@ -571,7 +571,7 @@ impl Backend for MySql {
             isolation.as_sql(),
             Savepoint::get().take,
         );
-        let conn = pool.acquire().await?;
+        let conn = super::acquire(pool).await?;
         match Claimed::begin(conn, AssertSqlSafe(begin).into_sql_str(), end_claim).await {
             Ok(phase) => Ok(phase),
             Err((e, conn)) => {

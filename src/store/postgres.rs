@@ -570,7 +570,7 @@ impl Backend for Postgres {
         isolation: IsolationLevel,
     ) -> Result<Claimed<Self>, sqlx::Error> {
         let begin = format!("BEGIN ISOLATION LEVEL {}", isolation.as_sql());
-        let conn = pool.acquire().await?;
+        let conn = super::acquire(pool).await?;
         Claimed::begin(conn, AssertSqlSafe(begin).into_sql_str(), rollback)
             .await
             .map_err(|(e, mut conn)| {

@@ -358,7 +358,7 @@ impl Backend for Sqlite {
         _isolation: IsolationLevel,
     ) -> Result<Claimed<Self>, sqlx::Error> {
         // The write lock up front, as for a claim.
-        begin_immediate(pool.acquire().await?).await
+        begin_immediate(super::acquire(pool).await?).await
     }
 
     async fn commit_fenced(
