@@ -1336,7 +1336,7 @@ pub async fn handler_that_ends_the_transaction_is_held_for_reconciliation<DB: Co
         let body = r#"{"amount":1,"mode":"rollback_held_201"}"#;
         let a = send(&app, order(ALICE, Some(&key), body)).await;
         assert!(
-            super::let_go(&key),
+            super::let_go(&key).await,
             "the recording waited for another request's claim of the key"
         );
         assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
@@ -1840,6 +1840,36 @@ pub async fn dropped_futures_leave_a_clean_connection<DB: ConformanceDb>(h: Harn
         assert_eq!(retry.status, StatusCode::CREATED, "{key}: {retry:?}");
     }
     assert_eq!(one.size(), 1);
+}
+
+/// MySQL/MariaDB, claim at commit: a handler that rolls back, after which
+/// another request's claim of the key holds the row uncommitted. The
+/// row's insert then runs in a new transaction and meets that row; its
+/// wait runs out (`1205`), and the claim's savepoint (gone with the
+/// rollback) tells that the transaction ended, not that a duplicate is in
+/// flight: answered the retryable conflict while the other claim still
+/// holds the key, with nothing committed.
+pub async fn at_commit_a_rolled_back_handler_meeting_a_held_duplicate<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    assert!(h.at_commit && DB::CLAIMS_RUN_WITHOUT_AUTOCOMMIT);
+    let layer = h.layer().with_in_flight_wait(Duration::from_millis(500));
+    let app = h.app_with(layer);
+    let key = "rollback_held_at_commit";
+    let body = r#"{"amount":1,"mode":"rollback_held_201"}"#;
+    let a = send(&app, order(ALICE, Some(key), body)).await;
+    assert!(
+        super::let_go(key).await,
+        "the answer waited until the other claim of the key let go"
+    );
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
+    assert_eq!(a.problem(), "transaction-conflict");
+    assert_eq!(h.orders().await, 0);
+    assert_eq!(h.ledger().await, 0);
+    let retry = send(&app, order(ALICE, Some(key), r#"{"amount":1,"mode":"ok"}"#)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{retry:?}");
+    assert_eq!(h.orders().await, 1);
+    assert_eq!(h.ledger().await, 1);
 }
 
 /// A handler that deletes its own claim's ledger row (and answers 201)

@@ -128,18 +128,46 @@ pub fn pause_at_next_proof(pause: Duration, before_proof: bool) {
 }
 
 /// Claims the test handler holds past its answer (`rollback_held_201`), by
-/// key, until [`let_go`] drops them (rolled back), at the latest 20 s on.
-type Held = Vec<(String, Box<dyn std::any::Any + Send>)>;
+/// key: each is a task holding the transaction until [`let_go`] asks it
+/// to roll back (or 20 s on). A case that panics first ends its runtime,
+/// and with it the task: the connection closes, and the server rolls back.
+type Held = Vec<(
+    String,
+    tokio::sync::oneshot::Sender<tokio::sync::oneshot::Sender<()>>,
+)>;
 static HELD: std::sync::Mutex<Held> = std::sync::Mutex::new(Vec::new());
 
-/// Drops the claim held for `key`; whether it was still held.
-fn let_go(key: &str) -> bool {
-    let mut held = HELD
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let before = held.len();
-    held.retain(|(k, _)| k != key);
-    held.len() != before
+/// Holds `tx` for `key` (see [`Held`]).
+fn hold<DB: sqlx::Database>(key: String, tx: sqlx::Transaction<'static, DB>) {
+    let (go, told) = tokio::sync::oneshot::channel::<tokio::sync::oneshot::Sender<()>>();
+    tokio::spawn(async move {
+        let told = tokio::time::timeout(Duration::from_secs(20), told).await;
+        let _ = tx.rollback().await;
+        if let Ok(Ok(done)) = told {
+            let _ = done.send(());
+        }
+    });
+    HELD.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push((key, go));
+}
+
+/// Rolls back the claim held for `key` and waits until it is; whether it
+/// was still held.
+async fn let_go(key: &str) -> bool {
+    let go = {
+        let mut held = HELD
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = held.iter().position(|(k, _)| k == key);
+        at.map(|at| held.swap_remove(at).1)
+    };
+    let Some(go) = go else {
+        return false;
+    };
+    let (done, rolled_back) = tokio::sync::oneshot::channel();
+    // A task that let go on its own (20 s on) no longer listens.
+    go.send(done).is_ok() && rolled_back.await.is_ok()
 }
 
 /// The setup of a suite that needs none.
@@ -575,13 +603,7 @@ async fn create_order<DB: ConformanceDb>(
                 .unwrap_or_default()
                 .to_owned();
             let held = DB::hold_claim(&st.pool, &principal, "POST /orders", &key).await;
-            HELD.lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push((key.clone(), Box::new(held)));
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_secs(20)).await;
-                let_go(&key);
-            });
+            hold(key, held);
         }
         // MySQL: autocommit turned back on, which commits the claimed
         // transaction (and would commit each later statement on its own).
