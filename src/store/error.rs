@@ -38,9 +38,12 @@ pub enum FinishError {
     /// database reports the transaction still running: it may yet commit
     /// or roll back, and the key stays locked until it has.
     InProgress(sqlx::Error),
-    /// The claimed transaction was no longer the one the claim began (the
-    /// handler ended it itself, with a `COMMIT` or `ROLLBACK` statement):
-    /// nothing was recorded, and what the handler committed stays.
+    /// The claimed transaction was no longer the one the claim began: the
+    /// handler ended it itself (a `COMMIT` or `ROLLBACK` statement, DDL
+    /// that commits implicitly), or the server did and the recording ran
+    /// on in a new transaction (on Galera, a replicated writer's abort
+    /// that lands while the recording batch runs). Nothing was recorded;
+    /// what the handler committed stays.
     Ended(sqlx::Error),
 }
 
@@ -73,7 +76,7 @@ impl std::fmt::Display for FinishError {
             ),
             Self::Ended(e) => write!(
                 f,
-                "the claimed transaction was ended by the handler ({e}); nothing was recorded"
+                "the claimed transaction had ended before the recording, by the handler or the server ({e}); nothing was recorded"
             ),
         }
     }
