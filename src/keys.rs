@@ -220,10 +220,11 @@ impl<DB: Backend> KeyStatus<DB> {
             database: self.config.database.as_deref(),
             causal_wait: self.config.causal_wait(),
         };
-        let conn = match tokio::time::timeout(PROBE_WAIT * 5, self.pool.acquire()).await {
-            Ok(conn) => conn?,
-            Err(_) => return Err(sqlx::Error::PoolTimedOut),
-        };
+        let conn =
+            match tokio::time::timeout(PROBE_WAIT * 5, crate::store::acquire(&self.pool)).await {
+                Ok(conn) => conn?,
+                Err(_) => return Err(sqlx::Error::PoolTimedOut),
+            };
         match DB::claim(conn, &claim).await {
             Ok(ClaimOutcome::Won(tx)) => {
                 tx.rollback().await;

@@ -76,7 +76,7 @@ impl std::fmt::Display for FinishError {
             ),
             Self::Ended(e) => write!(
                 f,
-                "the claimed transaction had ended before the recording, by the handler or the server ({e}); nothing was recorded"
+                "the claimed transaction was ended by the handler or the server before the recording could commit ({e}); nothing was recorded"
             ),
         }
     }

@@ -732,10 +732,10 @@ macro_rules! shared_statements {
 use shared_statements;
 
 /// A connection from `pool`. sqlx's acquire future carries its connect
-/// path inline (about 8 KiB); boxed here, it stays out of the future of
-/// every request that takes a connection, which is moved whole when the
-/// request starts (`docs/performance.md`, *The size of a request's
-/// future*).
+/// path inline (about 8 KiB in a release build); boxed here, it stays out
+/// of the future of every request that takes a connection, which is moved
+/// whole when the request starts (`docs/performance.md`, *The size of a
+/// request's future*).
 pub(crate) async fn acquire<DB: Database>(
     pool: &Pool<DB>,
 ) -> Result<PoolConnection<DB>, sqlx::Error> {

@@ -1855,7 +1855,13 @@ pub async fn at_commit_a_rolled_back_handler_meeting_a_held_duplicate<DB: Confor
     assert!(h.at_commit && DB::CLAIMS_RUN_WITHOUT_AUTOCOMMIT);
     let layer = h.layer().with_in_flight_wait(Duration::from_millis(500));
     let app = h.app_with(layer);
-    let key = "rollback_held_at_commit";
+    // A key of its own in the process (held claims are found by key).
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let key = format!(
+        "rollback_held_at_commit_{}",
+        N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    );
+    let key = key.as_str();
     let body = r#"{"amount":1,"mode":"rollback_held_201"}"#;
     let a = send(&app, order(ALICE, Some(key), body)).await;
     assert!(

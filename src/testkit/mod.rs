@@ -129,8 +129,8 @@ pub fn pause_at_next_proof(pause: Duration, before_proof: bool) {
 
 /// Claims the test handler holds past its answer (`rollback_held_201`), by
 /// key: each is a task holding the transaction until [`let_go`] asks it
-/// to roll back (or 20 s on). A case that panics first ends its runtime,
-/// and with it the task: the connection closes, and the server rolls back.
+/// to roll back, or 20 s on (so a case that panics before it lets go has
+/// its `DROP DATABASE` wait at most that long).
 type Held = Vec<(
     String,
     tokio::sync::oneshot::Sender<tokio::sync::oneshot::Sender<()>>,
