@@ -1328,17 +1328,7 @@ pub async fn handler_that_ends_the_transaction_is_held_for_reconciliation<DB: Co
         // the row, uncommitted: the recording, in a transaction that is no
         // longer the claim's, does not wait on that lock. The answer comes
         // while the other claim still holds it (let go 20 s on otherwise).
-        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let key = format!(
-            "rollback_held_{}",
-            N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-        );
-        let body = r#"{"amount":1,"mode":"rollback_held_201"}"#;
-        let a = send(&app, order(ALICE, Some(&key), body)).await;
-        assert!(
-            super::let_go(&key).await,
-            "the recording waited for another request's claim of the key"
-        );
+        let (_, a) = rolled_back_then_held(&app).await;
         assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
         assert_eq!(a.problem(), "transaction-conflict");
         assert_eq!(h.orders().await, 1, "only the retry's order above");
@@ -1842,6 +1832,27 @@ pub async fn dropped_futures_leave_a_clean_connection<DB: ConformanceDb>(h: Harn
     assert_eq!(one.size(), 1);
 }
 
+/// Sends a request whose handler rolls back, after which another
+/// request's claim of its key holds the row uncommitted past the answer
+/// (`rollback_held_201`), under a key of its own in the process (held
+/// claims are found by key); lets that claim go once answered, and fails
+/// when it was no longer held: the answer waited it out. The key and the
+/// answer.
+async fn rolled_back_then_held(app: &axum::Router) -> (String, super::Answer) {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let key = format!(
+        "rollback_held_{}",
+        N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    );
+    let body = r#"{"amount":1,"mode":"rollback_held_201"}"#;
+    let a = send(app, order(ALICE, Some(&key), body)).await;
+    assert!(
+        super::let_go(&key).await,
+        "the answer waited until the other claim of the key let go"
+    );
+    (key, a)
+}
+
 /// MySQL/MariaDB, claim at commit: a handler that rolls back, after which
 /// another request's claim of the key holds the row uncommitted. The
 /// row's insert then runs in a new transaction and meets that row; its
@@ -1855,19 +1866,8 @@ pub async fn at_commit_a_rolled_back_handler_meeting_a_held_duplicate<DB: Confor
     assert!(h.at_commit && DB::CLAIMS_RUN_WITHOUT_AUTOCOMMIT);
     let layer = h.layer().with_in_flight_wait(Duration::from_millis(500));
     let app = h.app_with(layer);
-    // A key of its own in the process (held claims are found by key).
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let key = format!(
-        "rollback_held_at_commit_{}",
-        N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-    );
+    let (key, a) = rolled_back_then_held(&app).await;
     let key = key.as_str();
-    let body = r#"{"amount":1,"mode":"rollback_held_201"}"#;
-    let a = send(&app, order(ALICE, Some(key), body)).await;
-    assert!(
-        super::let_go(key).await,
-        "the answer waited until the other claim of the key let go"
-    );
     assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{a:?}");
     assert_eq!(a.problem(), "transaction-conflict");
     assert_eq!(h.orders().await, 0);
