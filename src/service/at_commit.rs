@@ -43,7 +43,7 @@ impl<DB: Backend> Run<DB> {
             }
         }
         let left = deadline.saturating_duration_since(Instant::now());
-        let mut conn = match self.acquire(left).await {
+        let mut conn = match tokio::time::timeout(left, crate::store::acquire(&self.pool)).await {
             Ok(Ok(conn)) => conn,
             Ok(Err(e)) => return Claimed::Answer(refusal(store_problem::<DB>(&e), 1)),
             Err(_) => {

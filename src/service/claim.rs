@@ -142,7 +142,7 @@ impl<DB: Backend> Run<DB> {
             None
         };
         let left = deadline.saturating_duration_since(Instant::now());
-        let mut conn = match self.acquire(left).await {
+        let mut conn = match tokio::time::timeout(left, crate::store::acquire(&self.pool)).await {
             Ok(conn) => conn?,
             // No connection within what is left of the wait budget: for a
             // request that met another one with its key, still in flight.

@@ -19,7 +19,6 @@ use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use pin_project_lite::pin_project;
 use sqlx::Pool;
-use sqlx::pool::PoolConnection;
 use tower_service::Service;
 use tracing::Instrument;
 
@@ -555,15 +554,6 @@ impl<DB: Backend> Run<DB> {
         tokio::time::timeout(wait, DB::fetch(&self.pool, scope))
             .await
             .unwrap_or(Err(sqlx::Error::PoolTimedOut))
-    }
-
-    /// A pooled connection within `wait` (`Err(Elapsed)`: none came),
-    /// through [`store::acquire`](crate::store::acquire).
-    pub(super) async fn acquire(
-        &self,
-        wait: Duration,
-    ) -> Result<Result<PoolConnection<DB>, sqlx::Error>, tokio::time::error::Elapsed> {
-        tokio::time::timeout(wait, crate::store::acquire(&self.pool)).await
     }
 }
 
