@@ -96,13 +96,15 @@ fn record(schema: Option<&str>) -> String {
 /// `search_path` never moves it): quietly
 /// (`ON CONFLICT DO NOTHING`: a row of another request makes it write
 /// nothing, with no error in the server's log), only inside a transaction
-/// that has an id (the claimed one was given one with its `BEGIN`; a
-/// statement of its own after a handler's `COMMIT` or `ROLLBACK` has none
-/// when it starts), and with the wait on another request's uncommitted row
-/// bounded by `lock_timeout` (`$11`), set for the rest of this transaction
-/// alone. Returns the expiry and the transaction's id (what a lost `COMMIT`
-/// is asked about) when it wrote the row; otherwise, in the same round
-/// trip, the scope's row as the statement's snapshot sees it (a row
+/// that has an id (the handler's first write gave the claimed one its
+/// id, and [`give_id`] gives one to a transaction the handler wrote
+/// nothing in; a statement of its own after a handler's `COMMIT` or
+/// `ROLLBACK` has none when it starts), and with the wait on another
+/// request's uncommitted row bounded by `lock_timeout` (`$11`), set for the
+/// rest of this transaction alone. Returns the expiry and the transaction's
+/// id (what a lost `COMMIT` is asked about) when it wrote the row;
+/// otherwise, in the same round trip, whether the transaction has an id,
+/// and the scope's row as the statement's snapshot sees it (a row
 /// committed before the statement began: the replay a lost race is
 /// answered with, columns as `CLAIM_READ` reads them).
 fn record_at_commit(schema: Option<&str>) -> String {
@@ -115,7 +117,8 @@ fn record_at_commit(schema: Option<&str>) -> String {
          AND (SELECT set_config('lock_timeout', $11, true)) IS NOT NULL \
          ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
          RETURNING expires_at, txid_current() AS xid) \
-         SELECT ins.expires_at, ins.xid, r.status, r.request_fingerprint, r.response_status, \
+         SELECT ins.expires_at, ins.xid, txid_current_if_assigned() IS NOT NULL, r.status, \
+         r.request_fingerprint, r.response_status, \
          r.response_headers, r.response_body, r.resource_id, r.expires_at, \
          CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
          CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
@@ -364,10 +367,10 @@ impl Backend for Postgres {
         claim: &Claim<'_>,
     ) -> Result<Claimed<Self>, sqlx::Error> {
         // One round trip, the transaction's start (sqlx counts it): the
-        // level, an id for the transaction (so that the row written at its
-        // end can tell it is still in it), the savepoint.
+        // level and the savepoint. The transaction gets its id from the
+        // handler's first write, or from `give_id` when it wrote nothing.
         let begin = format!(
-            "BEGIN ISOLATION LEVEL {}; SELECT txid_current(); {}",
+            "BEGIN ISOLATION LEVEL {}; {}",
             claim.isolation.as_sql(),
             Savepoint::get().take
         );
@@ -397,23 +400,24 @@ impl Backend for Postgres {
             "{}ms",
             claim.lock_wait.as_millis().clamp(1, i32::MAX as u128)
         );
-        let sql = AssertSqlSafe(record_at_commit(claim.database));
-        let written = sqlx::query(sql)
-            .persistent(claim.cached_statements)
-            .bind(utf8(claim.scope.principal))
-            .bind(utf8(claim.scope.operation))
-            .bind(utf8(claim.scope.key))
-            .bind(claim.fingerprint)
-            .bind(c.status.as_str())
-            .bind(c.response_status)
-            .bind(c.response_headers)
-            .bind(c.response_body)
-            .bind(c.resource_id.map(str::as_bytes))
-            .bind(claim.retention_ms)
-            .bind(wait)
-            .fetch_one(&mut *tx)
-            .await
-            .and_then(|row| recorded_at_commit(&row));
+        let mut given_id = false;
+        let written = loop {
+            let written = write_at_commit(&mut tx, claim, c, &wait).await;
+            if !matches!(written, Ok(Written::NoId)) || given_id {
+                break written;
+            }
+            // No id: the handler wrote nothing, or ended the transaction.
+            // Only the savepoint, still there, says the transaction is
+            // ours; then it gets an id, and the row is written again.
+            if let Err(e) = sqlx::raw_sql(AssertSqlSafe(give_id()))
+                .execute(&mut *tx)
+                .await
+            {
+                tx.discard();
+                return Err(ended_or_store(e));
+            }
+            given_id = true;
+        };
         let (expires_at, xid) = match written {
             Ok(Written::Row(expires_at, xid)) => (expires_at, xid),
             Ok(Written::Lost(record)) => {
@@ -422,7 +426,7 @@ impl Backend for Postgres {
                 tx.rollback().await;
                 return Ok(AtCommitOutcome::Lost(Some(record)));
             }
-            Ok(Written::Nothing) => {
+            Ok(Written::Nothing | Written::NoId) => {
                 // Nothing written and no row seen: a row of another request
                 // committed while this one waited for it, or the handler
                 // ended the transaction (the savepoint says which).
@@ -767,6 +771,44 @@ enum Written {
     Lost(Box<Record>),
     /// Not written, and no row seen.
     Nothing,
+    /// Not written, no row seen, and the transaction has no id: the
+    /// handler wrote nothing in it, or ended it.
+    NoId,
+}
+
+/// Writes the claim-at-commit mode's row ([`record_at_commit`]) on the
+/// claimed transaction, its wait on another request's row bounded by
+/// `wait`.
+async fn write_at_commit(
+    tx: &mut Claimed<Postgres>,
+    claim: &Claim<'_>,
+    c: &Completion<'_>,
+    wait: &str,
+) -> Result<Written, sqlx::Error> {
+    sqlx::query(AssertSqlSafe(record_at_commit(claim.database)))
+        .persistent(claim.cached_statements)
+        .bind(utf8(claim.scope.principal))
+        .bind(utf8(claim.scope.operation))
+        .bind(utf8(claim.scope.key))
+        .bind(claim.fingerprint)
+        .bind(c.status.as_str())
+        .bind(c.response_status)
+        .bind(c.response_headers)
+        .bind(c.response_body)
+        .bind(c.resource_id.map(str::as_bytes))
+        .bind(claim.retention_ms)
+        .bind(wait)
+        .fetch_one(&mut **tx)
+        .await
+        .and_then(|row| recorded_at_commit(&row))
+}
+
+/// Proves the claimed transaction is still this request's (its savepoint
+/// is released and taken again: that fails, `TransactionEnded`, once the
+/// handler or the server ended it) and gives it an id, for the row written
+/// at commit when the handler wrote nothing.
+fn give_id() -> String {
+    format!("{}; SELECT txid_current()", Savepoint::get().retake)
 }
 
 /// Reads [`record_at_commit`]'s one row.
@@ -777,10 +819,14 @@ fn recorded_at_commit(row: &sqlx::postgres::PgRow) -> Result<Written, sqlx::Erro
     ) {
         return Ok(Written::Row(expires_at, xid));
     }
-    if row.try_get::<Option<String>, _>(2)?.is_none() {
-        return Ok(Written::Nothing);
+    if row.try_get::<Option<String>, _>(3)?.is_none() {
+        return Ok(if row.try_get(2)? {
+            Written::Nothing
+        } else {
+            Written::NoId
+        });
     }
-    let record = record_at(row, 2)?;
+    let record = record_at(row, 3)?;
     Ok(Written::Lost(Box::new(record)))
 }
 

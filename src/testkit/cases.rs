@@ -277,6 +277,37 @@ pub async fn handler_rejection_rolls_back_and_key_stays_usable<DB: ConformanceDb
     assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
 }
 
+/// Case: a handler that writes nothing on the claimed transaction (a
+/// quote answered from a read, a refusal decided before the first write)
+/// is recorded and replayed like one that writes.
+pub async fn a_handler_that_writes_nothing_is_recorded_and_replayed<DB: ConformanceDb>(
+    h: Harness<DB>,
+) {
+    let app = h.app();
+    let quote = (Some("quote-1"), r#"{"amount":5,"mode":"read_only"}"#);
+    let refused = (Some("sold-out-1"), r#"{"amount":5,"mode":"refuse_first"}"#);
+    let first_quote = send(&app, order(ALICE, quote.0, quote.1)).await;
+    assert_eq!(first_quote.status, StatusCode::OK, "{first_quote:?}");
+    let first_refused = send(&app, order(ALICE, refused.0, refused.1)).await;
+    assert_eq!(
+        first_refused.status,
+        StatusCode::CONFLICT,
+        "{first_refused:?}"
+    );
+    assert_eq!(h.ledger_with("SUCCEEDED").await, 1);
+    assert_eq!(h.ledger_with("FAILED_FINAL").await, 1);
+    assert_eq!(h.ledger().await, 2);
+    assert_eq!(h.orders().await, 0);
+    for ((key, body), first) in [(quote, first_quote), (refused, first_refused)] {
+        let retry = send(&app, order(ALICE, key, body)).await;
+        assert_eq!(retry.status, first.status, "{retry:?}");
+        assert_eq!(retry.body, first.body);
+        assert!(retry.replayed(), "{retry:?}");
+    }
+    assert_eq!(h.executions(), 2);
+    assert_eq!(h.ledger().await, 2);
+}
+
 /// Case: final business error records failed final without partial writes.
 pub async fn final_business_error_records_failed_final_without_partial_writes<DB: ConformanceDb>(
     h: Harness<DB>,

@@ -336,6 +336,26 @@ async fn create_order<DB: ConformanceDb>(
     for sql in st.first {
         DB::exec_on(&mut conn, sql).await.unwrap();
     }
+    // Handlers that write nothing on the claimed transaction: a quote
+    // answered from a read, and a refusal decided before the first write.
+    match req.mode.as_str() {
+        "read_only" => {
+            DB::exec_on(&mut conn, "SELECT COUNT(*) FROM orders")
+                .await
+                .unwrap();
+            return (StatusCode::OK, Json(json!({"quote": req.amount}))).into_response();
+        }
+        "refuse_first" => {
+            let problem = json!({"type": "https://example.test/problems/out-of-stock", "title": "Out of stock", "status": 409});
+            return (
+                StatusCode::CONFLICT,
+                [("content-type", "application/problem+json")],
+                problem.to_string(),
+            )
+                .into_response();
+        }
+        _ => {}
+    }
     let id = DB::insert_order(&mut conn, &principal, req.amount)
         .await
         .unwrap();
@@ -1052,6 +1072,7 @@ macro_rules! __shared_conformance_cases {
             mismatch_status_can_be_409,
             handler_rejection_rolls_back_and_key_stays_usable,
             final_business_error_records_failed_final_without_partial_writes,
+            a_handler_that_writes_nothing_is_recorded_and_replayed,
             server_error_rolls_back_and_retry_runs_afresh,
             handler_can_mark_a_response_final_or_retryable,
             concurrent_duplicate_waits_then_replays,
