@@ -295,21 +295,11 @@ impl Backend for Postgres {
             return Err(e.into());
         }
         let sql = AssertSqlSafe(record(claim.database));
-        let inserted: Result<Option<i64>, _> = sqlx::query_scalar(sql)
-            .persistent(claim.cached_statements)
-            .bind(utf8(claim.scope.principal))
-            .bind(utf8(claim.scope.operation))
-            .bind(utf8(claim.scope.key))
-            .bind(claim.fingerprint)
-            .bind(c.status.as_str())
-            .bind(c.response_status)
-            .bind(c.response_headers)
-            .bind(c.response_body)
-            .bind(c.resource_id.map(str::as_bytes))
-            .bind(claim.retention_ms)
+        let inserted: Result<Option<i64>, _> = ledger_row(sqlx::query(sql), claim, c)
             .bind(xid)
             .fetch_optional(&mut *tx)
-            .await;
+            .await
+            .and_then(|row| row.map(|row| row.try_get(0)).transpose());
         let expires_at = match inserted {
             Ok(Some(expires_at)) => expires_at,
             Ok(None) => {
@@ -400,12 +390,8 @@ impl Backend for Postgres {
             "{}ms",
             claim.lock_wait.as_millis().clamp(1, i32::MAX as u128)
         );
-        let mut given_id = false;
-        let written = loop {
-            let written = write_at_commit(&mut tx, claim, c, &wait).await;
-            if !matches!(written, Ok(Written::NoId)) || given_id {
-                break written;
-            }
+        let mut written = write_at_commit(&mut tx, claim, c, &wait).await;
+        if matches!(written, Ok(Written::NoId)) {
             // No id: the handler wrote nothing, or ended the transaction.
             // Only the savepoint, still there, says the transaction is
             // ours; then it gets an id, and the row is written again.
@@ -416,8 +402,8 @@ impl Backend for Postgres {
                 tx.discard();
                 return Err(ended_or_store(e));
             }
-            given_id = true;
-        };
+            written = write_at_commit(&mut tx, claim, c, &wait).await;
+        }
         let (expires_at, xid) = match written {
             Ok(Written::Row(expires_at, xid)) => (expires_at, xid),
             Ok(Written::Lost(record)) => {
@@ -785,7 +771,22 @@ async fn write_at_commit(
     c: &Completion<'_>,
     wait: &str,
 ) -> Result<Written, sqlx::Error> {
-    sqlx::query(AssertSqlSafe(record_at_commit(claim.database)))
+    let sql = AssertSqlSafe(record_at_commit(claim.database));
+    ledger_row(sqlx::query(sql), claim, c)
+        .bind(wait)
+        .fetch_one(&mut **tx)
+        .await
+        .and_then(|row| recorded_at_commit(&row))
+}
+
+/// The ledger row's values, `$1` to `$10` of [`record`] and
+/// [`record_at_commit`], on `query` prepared as the claim says.
+fn ledger_row<'q>(
+    query: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    claim: &Claim<'q>,
+    c: &Completion<'q>,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    query
         .persistent(claim.cached_statements)
         .bind(utf8(claim.scope.principal))
         .bind(utf8(claim.scope.operation))
@@ -797,10 +798,6 @@ async fn write_at_commit(
         .bind(c.response_body)
         .bind(c.resource_id.map(str::as_bytes))
         .bind(claim.retention_ms)
-        .bind(wait)
-        .fetch_one(&mut **tx)
-        .await
-        .and_then(|row| recorded_at_commit(&row))
 }
 
 /// Proves the claimed transaction is still this request's (its savepoint

@@ -305,6 +305,21 @@ impl http_body::Body for ChunksThen {
     }
 }
 
+/// The test handler's final business error: `409`, out of stock (of
+/// `sku`, when it names one).
+fn out_of_stock(sku: Option<&str>) -> Response {
+    let mut problem = json!({"type": "https://example.test/problems/out-of-stock", "title": "Out of stock", "status": 409});
+    if let Some(sku) = sku {
+        problem["sku"] = json!(sku);
+    }
+    (
+        StatusCode::CONFLICT,
+        [("content-type", "application/problem+json")],
+        problem.to_string(),
+    )
+        .into_response()
+}
+
 async fn create_order<DB: ConformanceDb>(
     State(st): State<AppState<DB>>,
     headers: HeaderMap,
@@ -345,15 +360,7 @@ async fn create_order<DB: ConformanceDb>(
                 .unwrap();
             return (StatusCode::OK, Json(json!({"quote": req.amount}))).into_response();
         }
-        "refuse_first" => {
-            let problem = json!({"type": "https://example.test/problems/out-of-stock", "title": "Out of stock", "status": 409});
-            return (
-                StatusCode::CONFLICT,
-                [("content-type", "application/problem+json")],
-                problem.to_string(),
-            )
-                .into_response();
-        }
+        "refuse_first" => return out_of_stock(None),
         _ => {}
     }
     let id = DB::insert_order(&mut conn, &principal, req.amount)
@@ -376,13 +383,7 @@ async fn create_order<DB: ConformanceDb>(
             Err(e) => return crate::HandlerError::from(e).into_response(),
         };
         if !taken {
-            let problem = json!({"type": "https://example.test/problems/out-of-stock", "title": "Out of stock", "status": 409, "sku": item.sku});
-            return (
-                StatusCode::CONFLICT,
-                [("content-type", "application/problem+json")],
-                problem.to_string(),
-            )
-                .into_response();
+            return out_of_stock(Some(&item.sku));
         }
     }
     // A nested transaction on the claimed one, as sqlx idioms (and the
