@@ -47,7 +47,10 @@ fn upstream(url: &str) -> std::net::SocketAddr {
 /// Round trips per request: the bare transaction, a first execution, a
 /// final business error, a replay.
 macro_rules! count {
-    ($db:ty, $schema:expr, $statements:expr) => {{
+    ($db:ty, $schema:expr, $statements:expr) => {
+        count!($db, $schema, $statements, false)
+    };
+    ($db:ty, $schema:expr, $statements:expr, $at_commit:expr) => {{
         let (url, _drop) = <$db as ConformanceDb>::fresh_url().await;
         let direct = sqlx::pool::PoolOptions::<$db>::new()
             .max_connections(1)
@@ -68,6 +71,11 @@ macro_rules! count {
         let statements: [&'static str; 3] = $statements;
         let service = {
             let layer = IdempotencyLayer::new(pool.clone()).unscoped();
+            let layer = if $at_commit {
+                layer.with_claim_at_commit()
+            } else {
+                layer
+            };
             ServiceBuilder::new().layer(layer).service_fn(
                 move |req: Request<IdempotencyBody<String>>| async move {
                     let short = req.uri().path() == "/short";
@@ -100,7 +108,9 @@ macro_rules! count {
         };
         const N: u64 = 20;
         let settle = || tokio::time::sleep(Duration::from_millis(50));
-        // Warm the one connection, then count each scenario.
+        // Warm the one connection (its statements prepared: a first
+        // execution's and a replay's), then count each scenario.
+        call("/orders", "warm".into()).await;
         call("/orders", "warm".into()).await;
         settle().await;
         let mut counts = Vec::new();
@@ -154,6 +164,32 @@ async fn postgres_first_execution_costs_the_bare_round_trips_and_two() {
         "a final business error: {fin} > {bare} + 3"
     );
     assert!(replay < bare, "a replay: {replay} >= {bare}");
+}
+
+/// In the claim-at-commit mode a first execution costs one more than bare
+/// (the row written before the `COMMIT`). A retry of a finished key runs
+/// the handler again: its row meets the recorded one, the claim's read
+/// returns that one, and the `ROLLBACK` takes the `COMMIT`'s place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_at_commit_first_execution_costs_the_bare_round_trips_and_one() {
+    let c = count!(
+        sqlx::Postgres,
+        "CREATE TABLE t (id BIGSERIAL PRIMARY KEY, v INT); CREATE TABLE s (k INT PRIMARY KEY, n INT); INSERT INTO s VALUES (1, 1000000);",
+        [
+            "INSERT INTO t (v) VALUES (1)",
+            "INSERT INTO t (v) VALUES (2)",
+            "UPDATE s SET n = n - 1 WHERE k = 1"
+        ],
+        true
+    );
+    let (bare, first, fin, replay) = (c[0], c[1], c[2], c[3]);
+    assert_eq!(first, bare + 1.0, "the ledger row");
+    assert_eq!(fin, bare + 2.0, "the rollback to the savepoint, the row");
+    assert_eq!(
+        replay,
+        bare + 2.0,
+        "the row that meets the recorded one, the read"
+    );
 }
 
 #[cfg(feature = "mysql")]

@@ -46,7 +46,8 @@ const FIND_LEDGER: &str = "SELECT (SELECT quote_ident(s.nspname) FROM pg_catalog
 /// never a temporary one, whatever the session's `search_path`): the
 /// transaction's id when round trip 1 took the scope's lock (`NULL`:
 /// another transaction holds it), and the scope's committed row, as
-/// `fetch` reads it.
+/// `fetch` reads it. The claim-at-commit mode reads it when its row was
+/// not written ([`write_at_commit`]).
 fn claim_read_sql(schema: Option<&str>) -> String {
     format!(
         "SELECT txid_current_if_assigned(), r.status, r.request_fingerprint, r.response_status, \
@@ -102,33 +103,20 @@ fn record(schema: Option<&str>) -> String {
 /// `ROLLBACK` has none when it starts), and with the wait on another
 /// request's uncommitted row bounded by `lock_timeout` (`$11`), set for the
 /// rest of this transaction alone. Returns the expiry and the transaction's
-/// id (what a lost `COMMIT` is asked about) when it wrote the row;
-/// otherwise, in the same round trip, whether the transaction has an id,
-/// and the scope's row as the statement's snapshot sees it (a row
-/// committed before the statement began: the replay a lost race is
-/// answered with, columns as `CLAIM_READ` reads them).
+/// id (what a lost `COMMIT` is asked about) when it wrote the row, and no
+/// row when it did not: [`claim_read_sql`] then says why, in a round trip
+/// of its own (a first execution pays for neither the read nor its
+/// columns).
 fn record_at_commit(schema: Option<&str>) -> String {
     format!(
-        "WITH ins AS (INSERT INTO {table} (principal_id, operation, idem_key, \
-         request_fingerprint, status, response_status, response_headers, response_body, \
-         resource_id, created_at, expires_at) SELECT convert_from($1, 'UTF8'), \
-         convert_from($2, 'UTF8'), convert_from($3, 'UTF8'), $4, $5, $6, $7, $8, \
-         convert_from($9, 'UTF8'), {now}, {now} + $10 WHERE txid_current_if_assigned() IS NOT NULL \
+        "INSERT INTO {table} (principal_id, operation, idem_key, request_fingerprint, status, \
+         response_status, response_headers, response_body, resource_id, created_at, \
+         expires_at) SELECT convert_from($1, 'UTF8'), convert_from($2, 'UTF8'), \
+         convert_from($3, 'UTF8'), $4, $5, $6, $7, $8, convert_from($9, 'UTF8'), {now}, \
+         {now} + $10 WHERE txid_current_if_assigned() IS NOT NULL \
          AND (SELECT set_config('lock_timeout', $11, true)) IS NOT NULL \
          ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
-         RETURNING expires_at, txid_current() AS xid) \
-         SELECT ins.expires_at, ins.xid, txid_current_if_assigned() IS NOT NULL, r.status, \
-         r.request_fingerprint, r.response_status, \
-         r.response_headers, r.response_body, r.resource_id, r.expires_at, \
-         CASE WHEN r.expires_at <= n.now THEN 1::INT8 ELSE 0::INT8 END, r.generation, \
-         CASE WHEN r.locked_until > n.now THEN 1::INT8 ELSE 0::INT8 END, \
-         r.recovery_point, r.recovery_data, r.pending_step, r.claim_id, r.parks::INT8 \
-         FROM (SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT AS now) n \
-         LEFT JOIN ins ON true \
-         LEFT JOIN {table} r ON ins.xid IS NULL \
-         AND r.principal_id = convert_from($1, 'UTF8') COLLATE \"default\" \
-         AND r.operation = convert_from($2, 'UTF8') COLLATE \"default\" \
-         AND r.idem_key = convert_from($3, 'UTF8') COLLATE \"default\"",
+         RETURNING expires_at, txid_current()",
         table = ledger_table(schema),
         now = now_ms!(),
     )
@@ -753,7 +741,7 @@ async fn written_here(pool: &Pool<Postgres>, c: &Committing<'_>) -> bool {
 enum Written {
     /// Written: its expiry and the transaction's id.
     Row(i64, i64),
-    /// Not written: another request's row, committed before the statement.
+    /// Not written: another request's row, committed before the read.
     Lost(Box<Record>),
     /// Not written, and no row seen.
     Nothing,
@@ -764,7 +752,9 @@ enum Written {
 
 /// Writes the claim-at-commit mode's row ([`record_at_commit`]) on the
 /// claimed transaction, its wait on another request's row bounded by
-/// `wait`.
+/// `wait`; when nothing was written, the claim's read says why: the
+/// scope's row as a statement of this transaction sees it, and whether
+/// the transaction has an id.
 async fn write_at_commit(
     tx: &mut Claimed<Postgres>,
     claim: &Claim<'_>,
@@ -772,11 +762,18 @@ async fn write_at_commit(
     wait: &str,
 ) -> Result<Written, sqlx::Error> {
     let sql = AssertSqlSafe(record_at_commit(claim.database));
-    ledger_row(sqlx::query(sql), claim, c)
+    let written = ledger_row(sqlx::query(sql), claim, c)
         .bind(wait)
-        .fetch_one(&mut **tx)
-        .await
-        .and_then(|row| recorded_at_commit(&row))
+        .fetch_optional(&mut **tx)
+        .await?;
+    if let Some(row) = written {
+        return Ok(Written::Row(row.try_get(0)?, row.try_get(1)?));
+    }
+    Ok(match claim_read(tx, claim).await? {
+        (_, Some(record)) => Written::Lost(Box::new(record)),
+        (Some(_), None) => Written::Nothing,
+        (None, None) => Written::NoId,
+    })
 }
 
 /// The ledger row's values, `$1` to `$10` of [`record`] and
@@ -806,25 +803,6 @@ fn ledger_row<'q>(
 /// at commit when the handler wrote nothing.
 fn give_id() -> String {
     format!("{}; SELECT txid_current()", Savepoint::get().retake)
-}
-
-/// Reads [`record_at_commit`]'s one row.
-fn recorded_at_commit(row: &sqlx::postgres::PgRow) -> Result<Written, sqlx::Error> {
-    if let (Some(expires_at), Some(xid)) = (
-        row.try_get::<Option<i64>, _>(0)?,
-        row.try_get::<Option<i64>, _>(1)?,
-    ) {
-        return Ok(Written::Row(expires_at, xid));
-    }
-    if row.try_get::<Option<String>, _>(3)?.is_none() {
-        return Ok(if row.try_get(2)? {
-            Written::Nothing
-        } else {
-            Written::NoId
-        });
-    }
-    let record = record_at(row, 3)?;
-    Ok(Written::Lost(Box::new(record)))
 }
 
 /// A failed check of the claimed transaction's savepoint: the handler
@@ -877,9 +855,9 @@ fn begin_locked(isolation: IsolationLevel, k1: i32, k2: i32) -> String {
     )
 }
 
-/// The claim's read on the claimed transaction: its id, if round trip 1
-/// took the scope's lock, the scope's committed row, and the ledger's
-/// schema.
+/// The claim's read on the claimed transaction: its id (if round trip 1
+/// took the scope's lock; in the claim-at-commit mode, if the transaction
+/// wrote anything) and the scope's committed row.
 async fn claim_read(
     tx: &mut Claimed<Postgres>,
     claim: &Claim<'_>,
