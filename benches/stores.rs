@@ -530,7 +530,7 @@ async fn mysql() {
                 let mut conn = pool.acquire().await.unwrap();
                 let claim = format!(
                     "SET autocommit = 0; SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
-                     START TRANSACTION READ WRITE; INSERT INTO idempotency_records \
+                     START TRANSACTION READ WRITE; INSERT INTO tower_idempotency_records \
                      (principal_id, operation, idem_key, request_fingerprint, status, created_at, \
                      expires_at) SELECT X'{p}', X'{o}', X'{k}', X'{}', 'PROCESSING', {NOW}, \
                      {NOW} + 86400000; SAVEPOINT bench",
@@ -547,10 +547,10 @@ async fn mysql() {
                         .unwrap();
                 }
                 let finish = format!(
-                    "RELEASE SAVEPOINT bench; UPDATE idempotency_records SET status = 'SUCCEEDED', \
+                    "RELEASE SAVEPOINT bench; UPDATE tower_idempotency_records SET status = 'SUCCEEDED', \
                      response_status = 201, response_headers = X'', response_body = X'', \
                      resource_id = NULL WHERE {scope}; \
-                     SELECT expires_at FROM idempotency_records WHERE {scope}; \
+                     SELECT expires_at FROM tower_idempotency_records WHERE {scope}; \
                      COMMIT; SET autocommit = 1"
                 );
                 let rows = sqlx::raw_sql(sqlx::AssertSqlSafe(finish))
@@ -569,7 +569,7 @@ async fn mysql() {
                 let mut tx = pool.begin().await.unwrap();
                 let mut statements = business(i).to_vec();
                 statements.push(format!(
-                    "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
+                    "INSERT INTO tower_idempotency_records (principal_id, operation, idem_key, \
                      request_fingerprint, status, response_status, response_headers, \
                      response_body, created_at, expires_at) SELECT X'{}', X'{}', X'{}', X'{}', \
                      'SUCCEEDED', 201, X'', X'', {NOW}, {NOW} + 86400000",

@@ -179,8 +179,9 @@
 //! as UTF-8 bytes the statement decodes (whatever the session's
 //! `client_encoding`); on SQLite every statement names
 //! `main.idempotency_records`, never a `TEMP` table; on MySQL/MariaDB every
-//! statement names the ledger's view in the pool's database (a handler's
-//! `USE` or `TEMPORARY` table never moves it). The crate's own suite
+//! statement names the ledger table, `tower_idempotency_records` since
+//! migration 8, in the pool's database (a handler's `USE` or `TEMPORARY`
+//! table named `idempotency_records` never moves it). The crate's own suite
 //! runs every conformance case under a sample of such environments
 //! (`tests/environment_matrix.rs`; see docs/testing.md and
 //! docs/choices.md).

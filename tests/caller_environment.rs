@@ -735,8 +735,9 @@ async fn mysql_a_read_only_session_never_refuses_the_claim() {
 /// connection, qualified or not (MariaDB resolves `db.name` to the
 /// temporary table first). Before: a retry on that connection won a
 /// second claim in the temporary table, and one key committed a second
-/// order. The layer's statements go through a view, which never resolves
-/// to a temporary table.
+/// order. The layer's statements name the table `tower_idempotency_records`
+/// (a view of it keeps the old name), which the temporary table never
+/// shadows.
 #[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_a_temporary_table_never_captures_the_ledger() {

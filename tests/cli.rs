@@ -343,7 +343,7 @@ async fn sweep_status_and_migrate<DB: Store>() {
     let applied = first.json_lines();
     let (expected, last) = match DB::LABEL {
         "postgres" => (8, "scope_lock_wait"),
-        "mysql" => (7, "ledger_view"),
+        "mysql" => (8, "ledger_table_name"),
         _ => (6, "operator_audit"),
     };
     assert_eq!(applied.len(), expected, "{first:?}");

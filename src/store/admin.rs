@@ -457,7 +457,7 @@ admin_backend!(
     bound = |sql| format!("/*M!100301 SET STATEMENT innodb_lock_wait_timeout = 5 FOR */ {sql}"),
     size = (
         "SELECT CAST(data_length + index_length AS SIGNED) FROM information_schema.tables \
-         WHERE table_schema = DATABASE() AND table_name = 'idempotency_records'",
+         WHERE table_schema = DATABASE() AND table_name = 'tower_idempotency_records'",
         true,
         "the ledger table with its indexes (information_schema, InnoDB's estimate)",
     ),

@@ -48,9 +48,10 @@
 //! connection goes back to the pool inside a transaction; the claimed
 //! transaction is `READ WRITE` whatever `tx_read_only` says. A recording
 //! that ran to its `COMMIT` is never answered "nothing was recorded".
-//! Every ledger statement names the view `tower_idempotency_ledger` in the
-//! pool's database ([`Backend::database`]), so neither a handler's `USE`
-//! nor its `TEMPORARY` table named `idempotency_records` moves the ledger.
+//! Every ledger statement names the table `tower_idempotency_records`
+//! (migration 8; `idempotency_records` is a view of it) in the pool's
+//! database ([`Backend::database`]), so neither a handler's `USE` nor its
+//! `TEMPORARY` table named `idempotency_records` moves the ledger.
 //! See `docs/choices.md`, "The caller's session on MySQL/MariaDB".
 //!
 //! # One clock
@@ -281,7 +282,7 @@ pub trait Backend: Database {
 
     /// A shared ledger statement's text (written against
     /// `idempotency_records`) as `pool`'s store sends it: unchanged, or on
-    /// MySQL/MariaDB naming the ledger's view in the pool's database.
+    /// MySQL/MariaDB naming the ledger table in the pool's database.
     #[doc(hidden)]
     fn ledger_sql(pool: &Pool<Self>, sql: &'static str) -> sqlx::SqlStr {
         let _ = pool;

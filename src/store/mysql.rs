@@ -163,21 +163,25 @@ const MIGRATIONS: &[Migration] = migrations!(
     5 => "0005_claim_fence",
     6 => "0006_operator_audit",
     7 => "0007_ledger_view",
+    8 => "0008_ledger_table_name",
 );
 
-/// The view every ledger statement names instead of the table
-/// (`migrations/mysql/0007_ledger_view.sql`): a `TEMPORARY` table named
-/// `idempotency_records` shadows the table on the connection that made it,
-/// qualified or not, but never a view's table.
-const LEDGER_VIEW: &str = "tower_idempotency_ledger";
+/// The ledger table's name since migration 8
+/// (`migrations/mysql/0008_ledger_table_name.sql`), which every ledger
+/// statement names: a `TEMPORARY` table named `idempotency_records` (now a
+/// view of this table, for readers outside the layer) shadows that name
+/// on the connection that made it, qualified or not, never this one.
+/// Named directly, not through a view, which the server would expand for
+/// every statement.
+const LEDGER_TABLE: &str = "tower_idempotency_records";
 
 /// `sql` (written against `idempotency_records` and
-/// `tower_idempotency_audit`) naming the ledger's view and the audit table
+/// `tower_idempotency_audit`) naming the ledger table and the audit table
 /// in `database`, the pool's (see [`Backend::database`]): neither a
 /// handler's temporary table nor its `USE` moves the ledger.
 fn in_ledger(sql: &str, database: Option<&str>) -> String {
     let db = database.map_or_else(String::new, |db| format!("`{}`.", db.replace('`', "``")));
-    sql.replace(" idempotency_records", &format!(" {db}{LEDGER_VIEW}"))
+    sql.replace(" idempotency_records", &format!(" {db}{LEDGER_TABLE}"))
         .replace(
             " tower_idempotency_audit",
             &format!(" {db}tower_idempotency_audit"),
@@ -291,8 +295,8 @@ impl Backend for MySql {
         // read the expiry, prove the claimed transaction is still ours by
         // releasing its savepoint (after the writes: see `proof`), commit,
         // and turn autocommit back on. The expiry comes back without a
-        // read of the row (MariaDB has no `UPDATE … RETURNING`, and a read
-        // through the view costs the server a view expansion): the
+        // read of the row (MariaDB has no `UPDATE … RETURNING`, and a
+        // read is a statement more for the server to run): the
         // `UPDATE` hands it to the session's `LAST_INSERT_ID()` (the
         // ledger has no auto-increment column, so a connection's value
         // after a recording is that expiry, as after any insert it is that
@@ -375,7 +379,7 @@ impl Backend for MySql {
         // is the driver's unique-violation signal, which MySQL/MariaDB do
         // not log; the batch stops at it, so nothing of the transaction
         // commits. The expiry comes back without
-        // naming the view again: on MariaDB 10.5 and later the insert
+        // a read of the row: on MariaDB 10.5 and later the insert
         // returns it (`RETURNING`), and the next statement is `DO 0`
         // (`/*!50700` being MySQL's alone there: a statement that returns
         // nothing and reads nothing, where a `SELECT` of a derived table

@@ -510,7 +510,9 @@ impl ConformanceDb for sqlx::MySql {
         key: &str,
     ) -> Transaction<'static, Self> {
         let mut tx = pool.begin().await.unwrap();
-        sqlx::query("INSERT INTO idempotency_records (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) VALUES (?, ?, ?, x'00', 'PROCESSING', 0, 9000000000000)")
+        // The table, not the view named `idempotency_records`: a pooled
+        // connection may hold a handler's temporary table of that name.
+        sqlx::query("INSERT INTO tower_idempotency_records (principal_id, operation, idem_key, request_fingerprint, status, created_at, expires_at) VALUES (?, ?, ?, x'00', 'PROCESSING', 0, 9000000000000)")
             .bind(principal).bind(operation).bind(key)
             .execute(&mut *tx).await.unwrap();
         tx

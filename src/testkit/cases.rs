@@ -1712,10 +1712,11 @@ pub async fn migrations_upgrade_in_place_and_run_concurrently<DB: ConformanceDb>
     let pool = &pools[0];
     // PostgreSQL's v6 is its claim functions; v7 (v6 elsewhere) is the
     // operators' audit trail; v8 (PostgreSQL) the scope lock's wait, v7
-    // (MySQL/MariaDB) the ledger's view.
+    // (MySQL/MariaDB) the ledger's view, v8 (MySQL/MariaDB) the table's
+    // own name.
     let versions = match DB::LABEL {
         "postgres" => 8,
-        "mysql" => 7,
+        "mysql" => 8,
         _ => 6,
     };
     assert_eq!(
@@ -1810,7 +1811,7 @@ pub async fn dropped_futures_leave_a_clean_connection<DB: ConformanceDb>(h: Harn
             "DROP TRIGGER slow_commit ON orders",
         )),
         "mysql" => Some((
-            "CREATE TRIGGER slow_record BEFORE UPDATE ON idempotency_records FOR EACH ROW \
+            "CREATE TRIGGER slow_record BEFORE UPDATE ON tower_idempotency_records FOR EACH ROW \
              SET @slept = IF(NEW.status = 'SUCCEEDED' AND NEW.idem_key = 'mid-finish', SLEEP(1), 0)",
             "DROP TRIGGER slow_record",
         )),
