@@ -43,13 +43,17 @@ pub(crate) fn span() -> Span {
     )
 }
 
-/// Names the scope on the current span, with the key hashed.
+/// Names the scope on the current span, with the key hashed; nothing is
+/// hashed or formatted when no subscriber takes the span.
 pub(crate) fn scope(operation: &str, key: &str) {
-    let digest = Sha256::digest(key.as_bytes());
-    let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
     let span = Span::current();
+    if span.is_disabled() {
+        return;
+    }
+    let digest = Sha256::digest(key.as_bytes());
+    let hash = u64::from_be_bytes(digest[..8].try_into().unwrap_or_default());
     span.record("operation", operation);
-    span.record("key_hash", hash.as_str());
+    span.record("key_hash", format!("{hash:016x}").as_str());
 }
 
 /// Records a phase's duration on the current span.

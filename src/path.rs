@@ -13,6 +13,10 @@
 
 /// The normalized form of `path`.
 pub(crate) fn normalize(path: &str) -> String {
+    if !path.contains('%') && !path.split('/').any(|s| s == "." || s == "..") {
+        // Already normal (the common case): no escape, no dot segment.
+        return path.to_owned();
+    }
     remove_dot_segments(&normalize_escapes(path))
 }
 

@@ -74,7 +74,9 @@ async fn logs_hash_keys_and_metrics_count_outcomes() {
     let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
     assert!(!text.contains(SECRET_KEY), "raw key logged:\n{text}");
     assert!(!text.contains(BODY_MARKER), "body logged:\n{text}");
-    assert!(text.contains("key_hash="), "{text}");
+    let digest = <sha2::Sha256 as sha2::Digest>::digest(SECRET_KEY.as_bytes());
+    let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    assert!(text.contains(&format!("key_hash=\"{hash}\"")), "{text}");
     for outcome in ["claimed", "replayed", "mismatch"] {
         assert!(
             text.contains(&format!("outcome=\"{outcome}\"")),
