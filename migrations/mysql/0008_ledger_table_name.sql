@@ -20,7 +20,21 @@
 -- table" (a retryable 503) for a moment. A later migration that changes
 -- the table's columns recreates both views (`SELECT *` is expanded when a
 -- view is created).
-RENAME TABLE idempotency_records TO tower_idempotency_records;
+--
+-- MySQL's DDL commits statement by statement, so the migration can stop
+-- halfway (a lost connection, a refused `CREATE VIEW`) and is run again by
+-- the next `migrate()`: the rename happens only while
+-- `idempotency_records` is still the table, and the views are replaced.
+SET @tower_idempotency_rename = IF(
+    (SELECT COUNT(*) FROM information_schema.tables
+     WHERE table_schema = DATABASE() AND table_name = 'idempotency_records'
+       AND table_type = 'BASE TABLE') = 1,
+    'RENAME TABLE idempotency_records TO tower_idempotency_records',
+    'DO 0');
+PREPARE tower_idempotency_rename FROM @tower_idempotency_rename;
+EXECUTE tower_idempotency_rename;
+DEALLOCATE PREPARE tower_idempotency_rename;
+SET @tower_idempotency_rename = NULL;
 CREATE OR REPLACE ALGORITHM = MERGE SQL SECURITY INVOKER VIEW idempotency_records AS
 SELECT * FROM tower_idempotency_records;
 CREATE OR REPLACE ALGORITHM = MERGE SQL SECURITY INVOKER VIEW tower_idempotency_ledger AS
