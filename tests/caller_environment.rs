@@ -758,3 +758,64 @@ async fn mysql_a_temporary_table_never_captures_the_ledger() {
 async fn mysql_a_handlers_use_never_moves_the_ledger() {
     mysql_session_is_immune("USE test").await;
 }
+
+/// The operator's world: an upgrade to MySQL/MariaDB's ledger v8 renames
+/// the table, which waits for every transaction that has used it while
+/// every new ledger statement queues behind the rename. `migrate()` bounds
+/// that wait (10 s), fails with the lock wait, and leaves the ledger as it
+/// was; the next `migrate()` finishes the upgrade. (Before: it waited for
+/// the server's `lock_wait_timeout`, a day on MariaDB, and the ledger with
+/// it.)
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_an_upgrade_waits_a_bounded_time_behind_a_long_transaction() {
+    let (url, _drop) = <sqlx::MySql as ConformanceDb>::fresh_url().await;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    tower_idempotency::migrate(&pool).await.unwrap();
+    // Back to ledger v7: the table under its old name, v7's view on it.
+    sqlx::raw_sql(
+        "DROP VIEW idempotency_records; DROP VIEW tower_idempotency_ledger; \
+         RENAME TABLE tower_idempotency_records TO idempotency_records; \
+         CREATE VIEW tower_idempotency_ledger AS SELECT * FROM idempotency_records; \
+         DELETE FROM tower_idempotency_migrations WHERE version = 8",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let base_table = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT table_type FROM information_schema.tables \
+             WHERE table_schema = DATABASE() AND table_name = 'idempotency_records'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            == "BASE TABLE"
+    };
+    let mut long = pool.begin().await.unwrap();
+    sqlx::query("SELECT COUNT(*) FROM idempotency_records")
+        .execute(&mut *long)
+        .await
+        .unwrap();
+    let waited = tokio::time::timeout(Duration::from_secs(40), tower_idempotency::migrate(&pool))
+        .await
+        .expect("migrate() waited behind the transaction without a bound");
+    let error = waited.expect_err("the rename cannot run while a transaction holds the table");
+    assert!(error.to_string().contains("Lock wait timeout"), "{error}");
+    assert!(base_table().await, "the failed upgrade moved nothing");
+    long.commit().await.unwrap();
+    tower_idempotency::migrate(&pool).await.unwrap();
+    assert!(
+        !base_table().await,
+        "the next migrate() finished the upgrade"
+    );
+    let versions: i64 = sqlx::query_scalar("SELECT MAX(version) FROM tower_idempotency_migrations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(versions, 8);
+}

@@ -15,9 +15,11 @@
 -- before this one still running during a rolling upgrade. Both are MERGE
 -- (each statement runs on the table: its unique key and its locks) and
 -- INVOKER (the caller's privileges on the table). `RENAME TABLE` waits for
--- the transactions that use the ledger and is atomic; until the next
--- statement creates the view, a release before this one gets "no such
--- table" (a retryable 503) for a moment. A later migration that changes
+-- the transactions that use the ledger (`migrate()` bounds the wait) and
+-- is atomic; until the next statement replaces the view, a release before
+-- this one gets "view references invalid table" (a retryable 503) for a
+-- moment. Privileges granted on the table itself stay with the old name
+-- (docs/upgrading.md). A later migration that changes
 -- the table's columns recreates both views (`SELECT *` is expanded when a
 -- view is created).
 --

@@ -1,5 +1,6 @@
-//! The ledger: the `idempotency_records` table and the small backend trait
-//! that talks to it.
+//! The ledger: the `idempotency_records` table (`tower_idempotency_records`
+//! on MySQL/MariaDB, see below) and the small backend trait that talks to
+//! it.
 //!
 //! The layer never decides a claim with a read followed by an `if` alone:
 //! the unique key `(principal_id, operation, idem_key)` decides. SQLite and
@@ -772,7 +773,8 @@ pub(crate) use on_ledger;
 /// runs on `$conn` first (and takes the backend's migration lock where it
 /// is a statement), then each missing migration and its record, with
 /// `$now` the backend's database clock. Simple statements only (no
-/// prepared statements), so it runs through a transaction-pooling proxy.
+/// protocol-level prepared statements), so it runs through a
+/// transaction-pooling proxy.
 macro_rules! run_migrations {
     ($conn:expr, $migrations:expr, create = $create:expr, now = $now:expr $(,)?) => {{
         use sqlx::Row as _;

@@ -215,6 +215,15 @@ impl Backend for MySql {
                 "timed out after 60 s waiting for the tower_idempotency_migrate lock".into(),
             ));
         }
+        // DDL waits for every transaction that has used its table, and
+        // every new statement on that table queues behind it: a bounded
+        // wait (the server's default is a day or more) fails the migration,
+        // which changed nothing and runs again, rather than stalling the
+        // ledger behind one long transaction. The connection is closed
+        // afterwards, setting and all.
+        sqlx::raw_sql("SET SESSION lock_wait_timeout = 10")
+            .execute(&mut *conn)
+            .await?;
         run_migrations!(
             &mut *conn,
             MIGRATIONS,

@@ -533,7 +533,7 @@ impl ConformanceDb for sqlx::MySql {
     async fn seed_expired(pool: &Pool<Self>, n: u32) {
         // MariaDB's sequence engine: seq_1_to_N is a table of 1..=N.
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO idempotency_records SELECT 'bulk', 'op', CONCAT('k', seq), x'00', \
+            "INSERT INTO tower_idempotency_records SELECT 'bulk', 'op', CONCAT('k', seq), x'00', \
              'SUCCEEDED', 201, NULL, 'stored response body', NULL, 0, 1, 0, NULL, NULL, NULL, NULL, \
              NULL, 0, NULL FROM seq_1_to_{n}"
         )))
