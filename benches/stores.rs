@@ -170,7 +170,7 @@ async fn run_for<F, Fut>(
     tally.db_us += after.1 - before.1;
 }
 
-/// `TI_BENCH_PROFILE=bare|floor|one|layer|commit` (with `TI_BENCH_CLIENTS`,
+/// `TI_BENCH_PROFILE=bare|floor|one|layer|replay|commit` (with `TI_BENCH_CLIENTS`,
 /// default 8, `TI_BENCH_SECS`, default 10, and `TI_BENCH_STORE=sqlite|mysql`):
 /// one route alone, its row printed, for `perf record` beside it.
 fn profile() -> Option<(String, usize, u64)> {
@@ -271,6 +271,13 @@ macro_rules! measure {
                 "commit" => {
                     let first = at_commit.clone();
                     run_for(phase, &mut t, $cpu, conc, move |i| first(fresh_key(i), i)).await
+                }
+                "replay" => {
+                    let replay = layered.clone();
+                    run_for(phase, &mut t, $cpu, conc, move |_| {
+                        replay("replayed".to_string(), 0)
+                    })
+                    .await
                 }
                 other => panic!("TI_BENCH_PROFILE: no route {other}"),
             }

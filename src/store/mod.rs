@@ -213,7 +213,8 @@ pub enum ClaimOutcome<DB: Database> {
     /// This transaction owns the scope, past the savepoint.
     Won(Claimed<DB>),
     /// A committed row already holds the scope; nothing is left open. The
-    /// row, when the claim read it on its way (PostgreSQL); `None`: read it.
+    /// row, when the claim read it on its way (PostgreSQL, MySQL/MariaDB);
+    /// `None`: read it.
     Lost(Option<Box<Record>>),
     /// Another claim of the scope was still running when the lock wait
     /// ran out; nothing is left open. (PostgreSQL tells this without an

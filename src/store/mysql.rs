@@ -13,8 +13,9 @@ use super::literal::hex;
 use super::literal::x_literal;
 use super::{
     AtCommitOutcome, Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError,
-    IsolationLevel, LeaseWrite, Migration, RecordStatus, Savepoint, Scope, StoreErrorKind,
-    generic_error_kind, migrations, run_migrations, shared_statements,
+    IsolationLevel, LeaseWrite, Migration, Record, RecordRow, RecordStatus, Savepoint, Scope,
+    StoreErrorKind, generic_error_kind, migrations, record_from_row, run_migrations,
+    shared_statements,
 };
 
 /// The caller's session settings that would change what a ledger
@@ -154,6 +155,26 @@ macro_rules! now_ms {
     };
 }
 
+/// A ledger row as a [`super::RecordRow`], without its `WHERE`: the
+/// layer's read of a scope (`fetch`, bound) and a lost claim's (literal,
+/// [`end_and_read`]).
+macro_rules! read_record {
+    () => {
+        concat!(
+            pinned!(),
+            "SELECT status, request_fingerprint, response_status, response_headers, \
+             response_body, resource_id, expires_at, \
+             CASE WHEN expires_at <= ",
+            now_ms!(),
+            " THEN 1 ELSE 0 END, generation, CASE WHEN locked_until > ",
+            now_ms!(),
+            " THEN 1 ELSE 0 END, CONVERT(recovery_point USING utf8mb4), recovery_data, \
+             CONVERT(pending_step USING utf8mb4), CONVERT(claim_id USING utf8mb4), \
+             CAST(parks AS SIGNED) FROM idempotency_records"
+        )
+    };
+}
+
 const MIGRATIONS: &[Migration] = migrations!(
     "mysql",
     1 => "0001_idempotency_records",
@@ -277,16 +298,19 @@ impl Backend for MySql {
         let begun = begin_claimed(conn, claim, &insert).await;
         match begun {
             Ok(claimed) => Ok(ClaimOutcome::Won(claimed)),
-            Err((e, conn)) => {
-                // The batch stopped at its failing statement, perhaps with
-                // autocommit off and a transaction open: end both.
-                end_or_close(conn).await;
-                // The driver's own signal, never a parsed message.
-                match e.as_database_error() {
-                    Some(d) if d.is_unique_violation() => Ok(ClaimOutcome::Lost(None)),
-                    _ => Err(e),
+            // The batch stopped at its failing statement, perhaps with
+            // autocommit off and a transaction open: end both. A duplicate
+            // key (the driver's own signal, never a parsed message) is a
+            // committed row, read on the way.
+            Err((e, conn)) => match e.as_database_error() {
+                Some(d) if d.is_unique_violation() => {
+                    Ok(ClaimOutcome::Lost(end_and_read(conn, claim).await))
                 }
-            }
+                _ => {
+                    end_or_close(conn).await;
+                    Err(e)
+                }
+            },
         }
     }
 
@@ -483,17 +507,8 @@ impl Backend for MySql {
         // the `VARBINARY` column.
         scope = str::as_bytes,
         fetch = concat!(
-            pinned!(),
-            "SELECT status, request_fingerprint, response_status, response_headers, \
-             response_body, resource_id, expires_at, \
-             CASE WHEN expires_at <= ",
-            now_ms!(),
-            " THEN 1 ELSE 0 END, generation, CASE WHEN locked_until > ",
-            now_ms!(),
-            " THEN 1 ELSE 0 END, CONVERT(recovery_point USING utf8mb4), recovery_data, \
-             CONVERT(pending_step USING utf8mb4), CONVERT(claim_id USING utf8mb4), \
-             CAST(parks AS SIGNED) FROM idempotency_records \
-             WHERE principal_id = ? AND operation = ? AND idem_key = ?"
+            read_record!(),
+            " WHERE principal_id = ? AND operation = ? AND idem_key = ?"
         ),
         // Assignments run left to right: response_status and parks before
         // status.
@@ -761,6 +776,31 @@ async fn end_or_close(mut conn: PoolConnection<MySql>) {
     {
         guard.done();
     }
+}
+
+/// A claim that met a committed row: [`END_CLAIM`], then that row read
+/// in the same round trip, by a statement of its own under autocommit (a
+/// snapshot of its own, whatever the claim's isolation level), so that a
+/// retry of a finished key costs the claim's batch and this one. `None`
+/// (the layer reads the row itself) when the batch fails or finds no row;
+/// the connection is closed when the batch fails or its future is
+/// dropped.
+async fn end_and_read(mut conn: PoolConnection<MySql>, claim: &Claim<'_>) -> Option<Box<Record>> {
+    let sql = format!(
+        "{END_CLAIM}; {} WHERE {}",
+        read_record!(),
+        DIALECT.scope(&mut Args::new(), &claim.scope)
+    );
+    let sql = in_ledger(&sql, claim.database);
+    let guard = CloseOnCancel::new(&mut conn);
+    let rows = sqlx::raw_sql(AssertSqlSafe(sql))
+        .fetch_all(&mut **guard.0)
+        .await
+        .ok()?;
+    guard.done();
+    let row = rows.first()?;
+    let record = <RecordRow as sqlx::FromRow<'_, _>>::from_row(row).and_then(record_from_row);
+    record.ok().map(Box::new)
 }
 
 /// Ends a claimed (or phase) transaction that is not committed: sqlx's
