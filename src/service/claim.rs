@@ -33,9 +33,7 @@ pub(super) enum Pending {
 /// long at most on another claimer's row; longer waits need a waiter permit.
 const PROBE_WAIT: Duration = Duration::from_millis(50);
 
-/// A read of the ledger gets at least this long, even when the wait budget
-/// is spent: a lost claim must still be explained.
-pub(super) const MIN_READ_WAIT: Duration = Duration::from_millis(250);
+pub(super) use crate::store::MIN_READ_WAIT;
 
 impl<DB: Backend> Run<DB> {
     /// Claims the scope, or finds the answer a retry gets: at most the

@@ -207,6 +207,10 @@ pub fn caches_statements<DB: Database>(pool: &Pool<DB>) -> bool {
     !format!("{:?}", pool.connect_options()).contains("statement_cache_capacity: 0,")
 }
 
+/// A read of the ledger gets at least this long, even when the wait budget
+/// is spent: a lost claim must still be explained.
+pub(crate) const MIN_READ_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// What a claim attempt found.
 #[derive(Debug)]
 pub enum ClaimOutcome<DB: Database> {

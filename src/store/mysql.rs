@@ -13,9 +13,9 @@ use super::literal::hex;
 use super::literal::x_literal;
 use super::{
     AtCommitOutcome, Backend, Claim, ClaimOutcome, Claimed, Completion, Fence, FinishError,
-    IsolationLevel, LeaseWrite, Migration, Record, RecordRow, RecordStatus, Savepoint, Scope,
-    StoreErrorKind, generic_error_kind, migrations, record_from_row, run_migrations,
-    shared_statements,
+    IsolationLevel, LeaseWrite, MIN_READ_WAIT, Migration, Record, RecordRow, RecordStatus,
+    Savepoint, Scope, StoreErrorKind, generic_error_kind, migrations, record_from_row,
+    run_migrations, shared_statements,
 };
 
 /// The caller's session settings that would change what a ledger
@@ -782,10 +782,20 @@ async fn end_or_close(mut conn: PoolConnection<MySql>) {
 /// in the same round trip, by a statement of its own under autocommit (a
 /// snapshot of its own, whatever the claim's isolation level), so that a
 /// retry of a finished key costs the claim's batch and this one. `None`
-/// (the layer reads the row itself) when the batch fails or finds no row;
-/// the connection is closed when the batch fails or its future is
-/// dropped.
-async fn end_and_read(mut conn: PoolConnection<MySql>, claim: &Claim<'_>) -> Option<Box<Record>> {
+/// (the layer reads the row itself, within its own bound) when the batch
+/// fails, finds no row or takes longer than the claim's lock wait (at
+/// least [`MIN_READ_WAIT`]: the read may wait behind a table's lock); the
+/// connection is then closed, unless the batch ran to its end.
+async fn end_and_read(conn: PoolConnection<MySql>, claim: &Claim<'_>) -> Option<Box<Record>> {
+    let bound = claim.lock_wait.max(MIN_READ_WAIT);
+    tokio::time::timeout(bound, end_then_read(conn, claim))
+        .await
+        .ok()
+        .flatten()
+}
+
+/// [`end_and_read`] without its bound.
+async fn end_then_read(mut conn: PoolConnection<MySql>, claim: &Claim<'_>) -> Option<Box<Record>> {
     let sql = format!(
         "{END_CLAIM}; {} WHERE {}",
         read_record!(),
