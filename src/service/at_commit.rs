@@ -9,8 +9,9 @@
 
 use std::time::{Duration, Instant};
 
-use super::claim::{Claimed, MIN_READ_WAIT, Pending};
+use super::claim::{Claimed, Pending};
 use super::{Answer, Identity, Run, refusal, store_problem};
+use crate::store::MIN_READ_WAIT;
 use crate::store::{
     AtCommitOutcome, Backend, Claimed as ClaimedTx, Completion, FinishError, StoreErrorKind,
 };

@@ -33,8 +33,6 @@ pub(super) enum Pending {
 /// long at most on another claimer's row; longer waits need a waiter permit.
 const PROBE_WAIT: Duration = Duration::from_millis(50);
 
-pub(super) use crate::store::MIN_READ_WAIT;
-
 impl<DB: Backend> Run<DB> {
     /// Claims the scope, or finds the answer a retry gets: at most the
     /// configured attempts, all before `deadline`.

@@ -12,7 +12,6 @@ use http_body::Body;
 use tower_service::Service;
 
 use super::at_commit::AtCommit;
-use super::claim::MIN_READ_WAIT;
 use super::{
     BoxError, CatchUnwind, IdempotencyOutcome, Identity, ReadAnswer, Run, buffered, expiry_header,
     read_response, refuse, store_problem,
@@ -23,6 +22,7 @@ use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, retention_ms};
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
+use crate::store::MIN_READ_WAIT;
 use crate::store::{
     AtCommitOutcome, Backend, Claim, Claimed, Completion, FinishError, OwnedClaim, Record,
     RecordStatus, StoreErrorKind,

@@ -10,7 +10,7 @@ use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
 
-use super::claim::{MIN_READ_WAIT, Pending, backoff};
+use super::claim::{Pending, backoff};
 use super::{
     Answer, BoxError, CatchUnwind, Identity, ReadAnswer, Run, buffered, read_response, refusal,
     refuse, store_problem,
@@ -23,6 +23,7 @@ use crate::lease::{LeaseMode, Leased};
 use crate::observe;
 use crate::outcome::IdempotencyOutcome;
 use crate::problem::Problem;
+use crate::store::MIN_READ_WAIT;
 use crate::store::{
     Backend, Claim, Fence, LeaseState, OwnedClaim, OwnedScope, Owning, RecordStatus, claim_data,
     end_lease, spawn_owning,

@@ -514,10 +514,10 @@ where
 
 impl<DB: Backend> Run<DB> {
     /// How long a store read may take when `wait` is left of a bound: at
-    /// least [`MIN_READ_WAIT`](claim::MIN_READ_WAIT) (a lost claim must
+    /// least [`MIN_READ_WAIT`](crate::store::MIN_READ_WAIT) (a lost claim must
     /// still be explained), never past the caller's deadline.
     pub(super) fn read_bound(&self, wait: std::time::Duration) -> std::time::Duration {
-        let wait = wait.max(claim::MIN_READ_WAIT);
+        let wait = wait.max(crate::store::MIN_READ_WAIT);
         match self.caller_deadline {
             Some(deadline) => wait.min(deadline.saturating_duration_since(Instant::now())),
             None => wait,
