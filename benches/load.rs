@@ -587,6 +587,7 @@ async fn main() {
             run.statuses
         );
         server.stop().await;
+        drop_database(&admin, &db).await;
         return;
     }
     println!(
@@ -760,7 +761,12 @@ async fn main() {
     write_svg(&plot);
     peak_rss().await;
 
-    let mut c = PgConnection::connect(&admin).await.unwrap();
+    drop_database(&admin, &db).await;
+}
+
+/// Drops the bench's database (every route's rows and ledger).
+async fn drop_database(admin: &str, db: &str) {
+    let mut c = PgConnection::connect(admin).await.unwrap();
     c.execute(sqlx::AssertSqlSafe(format!(
         "DROP DATABASE {db} WITH (FORCE)"
     )))
