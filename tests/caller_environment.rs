@@ -819,3 +819,74 @@ async fn mysql_an_upgrade_waits_a_bounded_time_behind_a_long_transaction() {
         .unwrap();
     assert_eq!(versions, 8);
 }
+
+/// The operator's world: MySQL's DDL commits statement by statement, and
+/// `migrate()` records a version after its statements ran, so a migration
+/// can stop after its last statement and before its version is recorded (a
+/// killed process, a lost connection). Each MySQL/MariaDB migration, found
+/// applied but not recorded, is run again by the next `migrate()`, which
+/// ends at the last version with every column in place. (Before: versions 4
+/// and 5 failed again on every `migrate()` with "Duplicate column name",
+/// and the upgrade needed a hand-written fix.)
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_migration_applied_but_unrecorded_runs_again() {
+    const FILES: [&str; 8] = [
+        include_str!("../migrations/mysql/0001_idempotency_records.sql"),
+        include_str!("../migrations/mysql/0002_byte_scopes_and_reconciliation.sql"),
+        include_str!("../migrations/mysql/0003_tombstone_purge_time.sql"),
+        include_str!("../migrations/mysql/0004_lease_mode.sql"),
+        include_str!("../migrations/mysql/0005_claim_fence.sql"),
+        include_str!("../migrations/mysql/0006_operator_audit.sql"),
+        include_str!("../migrations/mysql/0007_ledger_view.sql"),
+        include_str!("../migrations/mysql/0008_ledger_table_name.sql"),
+    ];
+    for stopped in 1..=FILES.len() {
+        let (url, _drop) = <sqlx::MySql as ConformanceDb>::fresh_url().await;
+        let pool = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(2)
+            .connect(&url)
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE tower_idempotency_migrations (version BIGINT PRIMARY KEY, \
+             name VARCHAR(255) NOT NULL, applied_at BIGINT NOT NULL) ENGINE = InnoDB",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        for (i, sql) in FILES[..stopped].iter().enumerate() {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(*sql))
+                .execute(&pool)
+                .await
+                .unwrap_or_else(|e| panic!("migration {}: {e}", i + 1));
+            // The stopped one ran whole; its version was never recorded.
+            if i + 1 < stopped {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO tower_idempotency_migrations VALUES ({}, 'by hand', 0)",
+                    i + 1
+                )))
+                .execute(&pool)
+                .await
+                .unwrap();
+            }
+        }
+        tower_idempotency::migrate(&pool)
+            .await
+            .unwrap_or_else(|e| panic!("migration {stopped}, applied but unrecorded: {e}"));
+        let versions: i64 =
+            sqlx::query_scalar("SELECT MAX(version) FROM tower_idempotency_migrations")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(versions, FILES.len() as i64, "migration {stopped}");
+        // The last version's columns, through the view operators use.
+        sqlx::query(
+            "SELECT generation, locked_until, recovery_point, recovery_data, pending_step, \
+             claim_id, parks, pending_until FROM idempotency_records",
+        )
+        .execute(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("migration {stopped}: {e}"));
+    }
+}
