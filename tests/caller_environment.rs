@@ -874,12 +874,22 @@ async fn mysql_a_migration_applied_but_unrecorded_runs_again() {
         tower_idempotency::migrate(&pool)
             .await
             .unwrap_or_else(|e| panic!("migration {stopped}, applied but unrecorded: {e}"));
-        let versions: i64 =
-            sqlx::query_scalar("SELECT MAX(version) FROM tower_idempotency_migrations")
+        let versions: (i64, i64) =
+            sqlx::query_as("SELECT COUNT(*), MAX(version) FROM tower_idempotency_migrations")
                 .fetch_one(&pool)
                 .await
                 .unwrap();
-        assert_eq!(versions, FILES.len() as i64, "migration {stopped}");
+        let last = FILES.len() as i64;
+        assert_eq!(versions, (last, last), "migration {stopped}");
+        let lease_index: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.statistics \
+             WHERE table_schema = DATABASE() AND table_name = 'tower_idempotency_records' \
+             AND index_name = 'idempotency_records_lease'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert!(lease_index > 0, "migration {stopped}: v4's index");
         // The last version's columns, through the view operators use.
         sqlx::query(
             "SELECT generation, locked_until, recovery_point, recovery_data, pending_step, \

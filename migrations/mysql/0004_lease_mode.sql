@@ -4,9 +4,11 @@
 -- version: the statement runs only where its first column is missing, so a
 -- migration stopped in between runs again.
 SET @tower_idempotency_v4 = IF(
-    (SELECT COUNT(*) FROM information_schema.columns
-     WHERE table_schema = DATABASE() AND table_name = 'idempotency_records'
-       AND column_name = 'generation') = 0,
+    (SELECT COUNT(*) FROM information_schema.columns c
+     JOIN information_schema.tables t
+       ON t.table_schema = c.table_schema AND t.table_name = c.table_name
+     WHERE c.table_schema = DATABASE() AND c.table_name = 'idempotency_records'
+       AND t.table_type = 'BASE TABLE' AND c.column_name = 'generation') = 0,
     'ALTER TABLE idempotency_records
         ADD COLUMN generation     BIGINT NOT NULL DEFAULT 0,
         ADD COLUMN locked_until   BIGINT NULL,

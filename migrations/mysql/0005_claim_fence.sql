@@ -7,9 +7,11 @@
 UPDATE idempotency_records SET locked_until = 0
     WHERE status = 'NEEDS_RECONCILIATION' AND generation > 0 AND locked_until IS NULL;
 SET @tower_idempotency_v5 = IF(
-    (SELECT COUNT(*) FROM information_schema.columns
-     WHERE table_schema = DATABASE() AND table_name = 'idempotency_records'
-       AND column_name = 'claim_id') = 0,
+    (SELECT COUNT(*) FROM information_schema.columns c
+     JOIN information_schema.tables t
+       ON t.table_schema = c.table_schema AND t.table_name = c.table_name
+     WHERE c.table_schema = DATABASE() AND c.table_name = 'idempotency_records'
+       AND t.table_type = 'BASE TABLE' AND c.column_name = 'claim_id') = 0,
     'ALTER TABLE idempotency_records
         ADD COLUMN claim_id VARBINARY(64) NULL,
         ADD COLUMN parks    INT NOT NULL DEFAULT 0,
