@@ -1281,8 +1281,29 @@ async fn peak_rss() {
     // The service under test is the example binary, built here if missing
     // (`cargo bench` builds no example), with this bench's profile and
     // features, so that only the example itself is compiled.
+    // Without the variables cargo set for this bench's run (this package's
+    // name, version, manifest): build scripts that watch them (ring's)
+    // would see them change, and this build and the next `cargo bench`
+    // would each rebuild them and everything above them.
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let built = std::process::Command::new(cargo)
+    let mut build = std::process::Command::new(cargo);
+    for (name, _) in std::env::vars_os() {
+        let set_for_the_run = name.to_str().is_some_and(|n| {
+            [
+                "CARGO_PKG_",
+                "CARGO_MANIFEST_",
+                "CARGO_BIN_",
+                "CARGO_CRATE_",
+            ]
+            .iter()
+            .any(|p| n.starts_with(p))
+                || ["CARGO_PRIMARY_PACKAGE", "CARGO_TARGET_TMPDIR", "OUT_DIR"].contains(&n)
+        });
+        if set_for_the_run {
+            build.env_remove(name);
+        }
+    }
+    let built = build
         .args(["build", "--profile", "bench", "--example", "order_service"])
         .args(own_feature_flags())
         .current_dir(env!("CARGO_MANIFEST_DIR"))
