@@ -1279,12 +1279,12 @@ async fn peak_rss() {
         .join("examples")
         .join("order_service");
     // The service under test is the example binary, built here if missing
-    // (`cargo bench` builds no example), with this bench's profile and
-    // features, so that only the example itself is compiled.
-    // Without the variables cargo set for this bench's run (this package's
-    // name, version, manifest): build scripts that watch them (ring's)
-    // would see them change, and this build and the next `cargo bench`
-    // would each rebuild them and everything above them.
+    // (`cargo bench` builds no example) with this bench's profile and
+    // features, so that only the example itself is compiled, and without
+    // the variables cargo set for this bench's run (this package's name,
+    // version, manifest): build scripts that watch them (ring's) would
+    // otherwise rebuild, with everything above them, here and again in the
+    // next `cargo bench`.
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut build = std::process::Command::new(cargo);
     for (name, _) in std::env::vars_os() {
