@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use super::claim::{Claimed, Pending};
 use super::{Answer, Identity, Run, refusal, store_problem};
-use crate::store::MIN_READ_WAIT;
 use crate::store::{
-    AtCommitOutcome, Backend, Claimed as ClaimedTx, Completion, FinishError, StoreErrorKind,
+    AtCommitOutcome, Backend, Claimed as ClaimedTx, Completion, FinishError, MIN_READ_WAIT,
+    StoreErrorKind,
 };
 
 /// What recording at commit came to.

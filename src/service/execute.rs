@@ -22,10 +22,9 @@ use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, retention_ms};
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
-use crate::store::MIN_READ_WAIT;
 use crate::store::{
-    AtCommitOutcome, Backend, Claim, Claimed, Completion, FinishError, OwnedClaim, Record,
-    RecordStatus, StoreErrorKind,
+    AtCommitOutcome, Backend, Claim, Claimed, Completion, FinishError, MIN_READ_WAIT, OwnedClaim,
+    Record, RecordStatus, StoreErrorKind,
 };
 use crate::tx::Tx;
 

@@ -23,10 +23,9 @@ use crate::lease::{LeaseMode, Leased};
 use crate::observe;
 use crate::outcome::IdempotencyOutcome;
 use crate::problem::Problem;
-use crate::store::MIN_READ_WAIT;
 use crate::store::{
-    Backend, Claim, Fence, LeaseState, OwnedClaim, OwnedScope, Owning, RecordStatus, claim_data,
-    end_lease, spawn_owning,
+    Backend, Claim, Fence, LeaseState, MIN_READ_WAIT, OwnedClaim, OwnedScope, Owning, RecordStatus,
+    claim_data, end_lease, spawn_owning,
 };
 
 /// How a lease-mode claim ended.
