@@ -147,6 +147,9 @@ enum Route {
     /// The layer in the claim-at-commit mode (`with_claim_at_commit`): no
     /// claim statement, one ledger row written before the `COMMIT`.
     AtCommit,
+    /// One prepared write on a sqlx transaction: the finished row inserted
+    /// before the `COMMIT` (claim at commit's shape, written by hand).
+    OneWrite,
 }
 
 fn app(pool: PgPool, route: Route) -> Router {
@@ -171,6 +174,9 @@ fn app(pool: PgPool, route: Route) -> Router {
             .with_state(pool),
         Route::TwoWrites => Router::new()
             .route("/orders", post(candidate_two_writes))
+            .with_state(pool),
+        Route::OneWrite => Router::new()
+            .route("/orders", post(candidate_one_write))
             .with_state(pool),
     }
 }
@@ -254,6 +260,39 @@ async fn candidate_two_writes(
         .bind(&b""[..])
         .bind(ANSWER)
         .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok::<_, sqlx::Error>(res)
+    };
+    run.await
+        .unwrap_or_else(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response())
+}
+
+async fn candidate_one_write(
+    State(pool): State<PgPool>,
+    headers: http::HeaderMap,
+    Json(order): Json<CreateOrder>,
+) -> Response {
+    let key = key_of(&headers);
+    let run = async {
+        let mut tx = pool.begin().await?;
+        let res = business(&mut tx, "user-42", &order).await?;
+        sqlx::query(
+            "INSERT INTO idempotency_records (principal_id, operation, idem_key, \
+             request_fingerprint, status, response_status, response_headers, response_body, \
+             created_at, expires_at) VALUES ($1, $2, $3, $4, 'SUCCEEDED', 201, $5, $6, \
+             (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT, \
+             (EXTRACT(EPOCH FROM CURRENT_TIMESTAMP) * 1000)::BIGINT + $7) \
+             ON CONFLICT DO NOTHING RETURNING expires_at",
+        )
+        .bind("user-42")
+        .bind("POST /orders")
+        .bind(&key)
+        .bind(&[0xab_u8; 32][..])
+        .bind(&b""[..])
+        .bind(ANSWER)
+        .bind(86_400_000_i64)
+        .fetch_optional(&mut *tx)
         .await?;
         tx.commit().await?;
         Ok::<_, sqlx::Error>(res)
@@ -553,7 +592,7 @@ async fn main() {
     .unwrap();
     setup.close().await;
 
-    // `TI_BENCH_PROFILE=layer|bare|two|v6|commit [TI_BENCH_SECS=20]`: serve one route at
+    // `TI_BENCH_PROFILE=layer|bare|two|v6|commit|one [TI_BENCH_SECS=20]`: serve one route at
     // c = 8 and print its CPU split only, for `perf record` alongside.
     if let Ok(which) = std::env::var("TI_BENCH_PROFILE") {
         let route = match which.as_str() {
@@ -561,6 +600,7 @@ async fn main() {
             "two" => Route::TwoWrites,
             "v6" => Route::V6,
             "commit" => Route::AtCommit,
+            "one" => Route::OneWrite,
             _ => Route::Layer,
         };
         let keys = if route == Route::Bare {
@@ -620,8 +660,13 @@ async fn main() {
                 Keys::Unique,
             ),
             ("claim at commit: replay", Route::AtCommit, Keys::One),
+            (
+                "candidate: one prepared write",
+                Route::OneWrite,
+                Keys::Unique,
+            ),
         ];
-        let mut spent = [(0.0, 0.0, 0.0); 7];
+        let mut spent = [(0.0, 0.0, 0.0); 8];
         let mut measured: Vec<(&str, Run, PgStats, usize)> = scenarios
             .iter()
             .map(|s| {
@@ -710,6 +755,7 @@ async fn main() {
             base,
             first: measured[1].1.rps(),
             replay: measured[2].1.rps(),
+            at_commit: measured[5].1.rps(),
         });
     }
     println!();
@@ -806,7 +852,7 @@ async fn wal_bytes(admin: &str, from: &str, to: &str) -> i64 {
 /// noise.
 async fn round_trips_and_wal(admin: &str, db: &str, pg: std::net::SocketAddr) {
     const N: u64 = 200;
-    let scenarios: [(&str, Route, Keys, &'static str); 9] = [
+    let scenarios: [(&str, Route, Keys, &'static str); 10] = [
         ("baseline (no layer)", Route::Bare, Keys::None, ORDER),
         ("first execution", Route::Layer, Keys::Unique, ORDER),
         ("replay", Route::Layer, Keys::One, ORDER),
@@ -835,6 +881,12 @@ async fn round_trips_and_wal(admin: &str, db: &str, pg: std::net::SocketAddr) {
             Route::AtCommit,
             Keys::Unique,
             SHORT,
+        ),
+        (
+            "candidate: one prepared write",
+            Route::OneWrite,
+            Keys::Unique,
+            ORDER,
         ),
     ];
     println!();
@@ -943,7 +995,8 @@ fn designs(loopback: &[Point]) {
 /// The floor with bound parameters (`benches/sql/floor_*.sql`, pgbench
 /// `-M prepared`: statements prepared once, variables bound, one round trip
 /// per statement, as sqlx sends them): the bare transaction plus one ledger
-/// statement (not claim-first), and plus two (the least a claim-first design
+/// statement (not claim-first; plain, and `ON CONFLICT DO NOTHING` as claim at
+/// commit writes it), and plus two (the least a claim-first design
 /// sends with sqlx: the claim's statement, whose answer must come back before
 /// the handler runs, and the answer's row before the `COMMIT`).
 fn floor(script: &str, loopback: &[Point]) {
@@ -952,6 +1005,10 @@ fn floor(script: &str, loopback: &[Point]) {
         (
             "floor_one",
             "bare + one prepared finished-row insert before the `COMMIT` (nothing held or read before the handler)",
+        ),
+        (
+            "floor_one_quiet",
+            "floor_one with the row inserted `ON CONFLICT DO NOTHING RETURNING` (a lost race answered without a server error, as claim at commit writes it)",
         ),
         (
             "floor_two",
@@ -963,7 +1020,7 @@ fn floor(script: &str, loopback: &[Point]) {
     };
     println!();
     println!(
-        "The floor with bound parameters (pgbench, prepared statements, tps / bare tps in the same run), and ledger v8 end to end (this run, first execution / baseline):"
+        "The floor with bound parameters (pgbench, prepared statements, tps / bare tps in the same run), and the layer end to end (this run, first executions / baseline):"
     );
     println!();
     println!("| shape | what PostgreSQL receives | 1 | 8 | 64 |");
@@ -978,6 +1035,14 @@ fn floor(script: &str, loopback: &[Point]) {
     println!(
         "| v8 (end to end) | the layer: claim-first, bare + 2 round trips | {} |",
         v8.join(" | ")
+    );
+    let at_commit: Vec<String> = loopback
+        .iter()
+        .map(|p| format!("{:.2}", p.at_commit / p.base))
+        .collect();
+    println!(
+        "| claim at commit (end to end) | the layer's opt-in mode: bare + 1 round trip | {} |",
+        at_commit.join(" | ")
     );
 }
 
@@ -1154,6 +1219,8 @@ struct Point {
     base: f64,
     first: f64,
     replay: f64,
+    /// Claim at commit's first executions.
+    at_commit: f64,
 }
 
 fn write_svg(points: &[Point]) {
