@@ -605,11 +605,14 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// # The trade-off
     ///
     /// **A duplicate's handler may run and be undone.** A retry that
-    /// reaches another instance (duplicates within one layer still wait
-    /// for the first, off the pool) runs the handler, whose writes are then
-    /// rolled back; a retry of a finished key runs it too, unless
-    /// [`with_read_first`](Self::with_read_first) reads the ledger first
-    /// (one read more for every first execution). Anything the handler
+    /// reaches another instance runs the handler, whose writes are then
+    /// rolled back, unless [`with_read_first`](Self::with_read_first)
+    /// reads the ledger first (one read more for every first execution).
+    /// Within one layer, duplicates wait for the first, off the pool, and
+    /// a retry of a key that finished in this layer (among the last 1024
+    /// keys it finished, kept as hashes, about 24 KiB) reads the ledger
+    /// before its handler runs; a key that ended with nothing recorded
+    /// costs that retry one read. Anything the handler
     /// does outside the transaction (an email, a provider call, a message)
     /// **would happen twice**: use this mode only when every effect is a
     /// write on the claimed transaction. Two concurrent duplicates also
@@ -622,8 +625,9 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// A handler that ends the transaction itself is detected as in the
     /// default mode, except on PostgreSQL after a `COMMIT` followed by a
     /// new transaction that writes: the answer is then recorded in that
-    /// transaction. On PostgreSQL the row goes to the ledger table the
-    /// transaction's `search_path` finds at its end.
+    /// transaction. The row goes to the ledger table the pool's sessions
+    /// find, asked once per layer (as in the default mode): a handler's
+    /// `SET LOCAL search_path` never moves it.
     ///
     /// The default is the claim-first mode, which holds the key before the
     /// handler runs (a duplicate never runs it). Refused with

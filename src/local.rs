@@ -8,8 +8,16 @@
 //! rests on this map: the database's unique constraint still decides every
 //! claim, across processes too. The map only keeps a duplicate storm from
 //! pinning the connection pool.
+//!
+//! It also remembers the last [`FINISHED`] scopes whose first request ended
+//! here (as 64-bit hashes, keyed per process), so that a later retry of one
+//! is known to be a duplicate: in the claim-at-commit mode it then reads
+//! the ledger before running the handler. A hint only: a hash that
+//! collides, or a scope that ended with nothing recorded, costs one read.
 
-use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -17,17 +25,47 @@ use tokio::sync::watch;
 
 use crate::store::Scope;
 
-/// The scopes whose first request is running in this process.
+/// How many finished scopes a layer remembers (about 24 KiB).
+pub(crate) const FINISHED: usize = 1024;
+
+/// The scopes whose first request is running in this process, and the
+/// last ones that finished here.
 #[derive(Debug, Default)]
 pub(crate) struct LocalClaims {
-    running: Mutex<HashMap<String, watch::Receiver<()>>>,
+    state: Mutex<State>,
+    hasher: RandomState,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    running: HashMap<String, watch::Receiver<()>>,
+    /// Hashes of finished scopes, oldest first, each once, at most
+    /// [`FINISHED`]; `finished_set` holds the same hashes.
+    finished: VecDeque<u64>,
+    finished_set: HashSet<u64>,
+}
+
+impl State {
+    fn finish(&mut self, hash: u64) {
+        if !self.finished_set.insert(hash) {
+            return;
+        }
+        self.finished.push_back(hash);
+        if self.finished.len() > FINISHED
+            && let Some(oldest) = self.finished.pop_front()
+        {
+            self.finished_set.remove(&oldest);
+        }
+    }
 }
 
 /// What [`LocalClaims::lead_or_wait`] found.
 pub(crate) enum Local {
-    /// This request is the scope's first in this process; the token is
-    /// held (for its `Drop`) until the answer is settled.
-    Leader { _token: Leader },
+    /// This request is the scope's first in this process now; the token
+    /// is held (for its `Drop`) until the answer is settled. `finished`:
+    /// a request of the scope finished here before (among the last
+    /// [`FINISHED`]).
+    Leader { _token: Leader, finished: bool },
     /// Another request of the scope ran here and has answered.
     Finished,
     /// Another request of the scope is still running after the wait.
@@ -44,19 +82,22 @@ pub(crate) struct Leader {
 
 impl Drop for Leader {
     fn drop(&mut self) {
-        self.claims.lock().remove(&self.key);
+        let hash = self.claims.hasher.hash_one(&self.key);
+        let mut state = self.claims.lock();
+        state.running.remove(&self.key);
+        state.finish(hash);
     }
 }
 
 impl LocalClaims {
-    fn lock(&self) -> MutexGuard<'_, HashMap<String, watch::Receiver<()>>> {
-        // The map holds no invariant a panic could break.
-        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state holds no invariant a panic could break.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether a request of `scope` is running in this process now.
     pub(crate) fn is_running(&self, scope: &Scope<'_>) -> bool {
-        self.lock().contains_key(&Self::key(scope))
+        self.lock().running.contains_key(&Self::key(scope))
     }
 
     fn key(scope: &Scope<'_>) -> String {
@@ -67,19 +108,21 @@ impl LocalClaims {
     /// current leader to finish.
     pub(crate) async fn lead_or_wait(self: &Arc<Self>, scope: &Scope<'_>, wait: Duration) -> Local {
         let key = Self::key(scope);
+        let hash = self.hasher.hash_one(&key);
         let mut running = {
-            let mut map = self.lock();
-            match map.get(&key) {
+            let mut state = self.lock();
+            match state.running.get(&key) {
                 Some(rx) => rx.clone(),
                 None => {
                     let (tx, rx) = watch::channel(());
-                    map.insert(key.clone(), rx);
+                    state.running.insert(key.clone(), rx);
                     return Local::Leader {
                         _token: Leader {
                             claims: Arc::clone(self),
                             key,
                             _done: tx,
                         },
+                        finished: state.finished_set.contains(&hash),
                     };
                 }
             }
@@ -122,7 +165,7 @@ mod tests {
         assert!(!waiter.is_finished(), "waits while the leader runs");
         drop(leader);
         assert!(waiter.await.unwrap());
-        assert!(claims.lock().is_empty());
+        assert!(claims.lock().running.is_empty());
         // The wait is bounded.
         let _leader = claims.lead_or_wait(&scope(), Duration::from_secs(5)).await;
         let started = std::time::Instant::now();
@@ -133,5 +176,54 @@ mod tests {
             Local::StillRunning
         ));
         assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    #[tokio::test]
+    async fn a_scope_that_finished_here_is_known_to_the_next_leader() {
+        let claims = Arc::new(LocalClaims::default());
+        let wait = Duration::from_secs(5);
+        let first = claims.lead_or_wait(&scope(), wait).await;
+        assert!(matches!(
+            first,
+            Local::Leader {
+                finished: false,
+                ..
+            }
+        ));
+        drop(first);
+        let again = claims.lead_or_wait(&scope(), wait).await;
+        assert!(matches!(again, Local::Leader { finished: true, .. }));
+        drop(again);
+        // Bounded: the oldest is forgotten once FINISHED others finished.
+        for i in 0..FINISHED {
+            let key = format!("other-{i}");
+            let other = Scope {
+                principal: "p",
+                operation: "op",
+                key: &key,
+            };
+            let leader = claims.lead_or_wait(&other, wait).await;
+            assert!(matches!(
+                leader,
+                Local::Leader {
+                    finished: false,
+                    ..
+                }
+            ));
+        }
+        {
+            let state = claims.lock();
+            assert_eq!(state.finished.len(), FINISHED);
+            assert_eq!(state.finished_set.len(), FINISHED);
+            assert!(state.running.is_empty());
+        }
+        let forgotten = claims.lead_or_wait(&scope(), wait).await;
+        assert!(matches!(
+            forgotten,
+            Local::Leader {
+                finished: false,
+                ..
+            }
+        ));
     }
 }

@@ -17,3 +17,73 @@ async fn mysql_at_commit_a_rolled_back_handler_meeting_a_held_duplicate() {
     tower_idempotency::testkit::cases::at_commit_a_rolled_back_handler_meeting_a_held_duplicate(h)
         .await;
 }
+
+/// A retry of a finished key through the layer that ran it reads the
+/// ledger first, so its handler does not run again; through another layer
+/// (another instance of the service) it runs and is undone. Judged by the
+/// handler's runs and the ledger's rows.
+async fn a_retry_through_the_same_layer_does_not_run_the_handler<DB>()
+where
+    DB: tower_idempotency::testkit::ConformanceDb,
+{
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum::Router;
+    use axum::routing::post;
+    use http::StatusCode;
+    use tower_idempotency::testkit::{Harness, order, send};
+
+    let h = Harness::<DB>::at_commit().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = |layer| {
+        let runs = Arc::clone(&runs);
+        Router::new()
+            .route(
+                "/orders",
+                post(move || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::CREATED, "made")
+                }),
+            )
+            .layer(layer)
+    };
+    let here = app(h.layer());
+    let body = r#"{"amount": 1}"#;
+    let first = send(&here, order(Some("alice"), Some("k-1"), body)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed());
+    for _ in 0..3 {
+        let again = send(&here, order(Some("alice"), Some("k-1"), body)).await;
+        assert_eq!(again.status, StatusCode::CREATED);
+        assert!(again.replayed());
+        assert_eq!(again.body, first.body);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "retries through this layer");
+    let elsewhere = app(h.layer());
+    let again = send(&elsewhere, order(Some("alice"), Some("k-1"), body)).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "a retry through another layer"
+    );
+    assert_eq!(h.ledger().await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_retry_through_the_same_layer_does_not_run_the_handler() {
+    a_retry_through_the_same_layer_does_not_run_the_handler::<sqlx::Postgres>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_retry_through_the_same_layer_does_not_run_the_handler() {
+    a_retry_through_the_same_layer_does_not_run_the_handler::<sqlx::Sqlite>().await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_retry_through_the_same_layer_does_not_run_the_handler() {
+    a_retry_through_the_same_layer_does_not_run_the_handler::<sqlx::MySql>().await;
+}

@@ -46,7 +46,8 @@ fn upstream(url: &str) -> std::net::SocketAddr {
 }
 
 /// Round trips per request: the bare transaction, a first execution, a
-/// final business error, a replay.
+/// final business error, a replay through the layer that ran the key and
+/// one through another layer (another instance of the service).
 macro_rules! count {
     ($db:ty, $schema:expr, $statements:expr) => {
         count!($db, $schema, $statements, false)
@@ -70,7 +71,9 @@ macro_rules! count {
         // The same three business statements, bare or on the claimed
         // transaction; `short` makes the last one a final business error.
         let statements: [&'static str; 3] = $statements;
-        let service = {
+        // A layer; a second one stands for another instance of the service,
+        // which has not seen the key.
+        let make = || {
             let layer = IdempotencyLayer::new(pool.clone()).unscoped();
             let layer = if $at_commit {
                 layer.with_claim_at_commit()
@@ -95,8 +98,9 @@ macro_rules! count {
                 },
             )
         };
-        let call = |path: &'static str, key: String| {
-            let service = service.clone();
+        let service = make();
+        let call = |path: &'static str, key: String, elsewhere: bool| {
+            let service = if elsewhere { make() } else { service.clone() };
             async move {
                 let mut req = Request::post(path)
                     .header("idempotency-key", key)
@@ -110,12 +114,14 @@ macro_rules! count {
         const N: u64 = 20;
         let settle = || tokio::time::sleep(Duration::from_millis(50));
         // Warm the one connection (its statements prepared: a first
-        // execution's and a replay's), then count each scenario.
-        call("/orders", "warm".into()).await;
-        call("/orders", "warm".into()).await;
+        // execution's and a replay's, here and elsewhere), then count each
+        // scenario.
+        call("/orders", "warm".into(), false).await;
+        call("/orders", "warm".into(), false).await;
+        call("/orders", "warm".into(), true).await;
         settle().await;
         let mut counts = Vec::new();
-        for scenario in ["bare", "first", "final", "replay"] {
+        for scenario in ["bare", "first", "final", "replay", "elsewhere"] {
             let before = relay.round_trips();
             for i in 0..N {
                 match scenario {
@@ -126,13 +132,20 @@ macro_rules! count {
                         }
                         tx.commit().await.unwrap();
                     }
-                    "first" => {
-                        assert_eq!(call("/orders", format!("k-{i}")).await, StatusCode::CREATED)
-                    }
-                    "final" => {
-                        assert_eq!(call("/short", format!("s-{i}")).await, StatusCode::CONFLICT)
-                    }
-                    _ => assert_eq!(call("/orders", "k-0".into()).await, StatusCode::CREATED),
+                    "first" => assert_eq!(
+                        call("/orders", format!("k-{i}"), false).await,
+                        StatusCode::CREATED
+                    ),
+                    "final" => assert_eq!(
+                        call("/short", format!("s-{i}"), false).await,
+                        StatusCode::CONFLICT
+                    ),
+                    // A retry of a finished key, through the layer that ran
+                    // it or through another one.
+                    _ => assert_eq!(
+                        call("/orders", "k-0".into(), scenario == "elsewhere").await,
+                        StatusCode::CREATED
+                    ),
                 }
                 settle().await;
             }
@@ -165,12 +178,18 @@ async fn postgres_first_execution_costs_the_bare_round_trips_and_two() {
         "a final business error: {fin} > {bare} + 3"
     );
     assert!(replay < bare, "a replay: {replay} >= {bare}");
+    // (Through a new layer each time: one more, its look-up of the ledger,
+    // once in a layer's life.)
+    assert_eq!(c[4], replay + 1.0, "a replay through another layer");
 }
 
 /// In the claim-at-commit mode a first execution costs one more than bare
-/// (the row written before the `COMMIT`). A retry of a finished key runs
-/// the handler again: its row meets the recorded one, the claim's read
-/// returns that one, and the `ROLLBACK` takes the `COMMIT`'s place.
+/// (the row written before the `COMMIT`). A retry of a finished key
+/// through the layer that ran it is known there and reads the ledger
+/// first: fewer than bare, the handler not run. Through another layer it
+/// runs the handler again: its row meets the recorded one, the row's
+/// statement returns that one, and the `ROLLBACK` takes the `COMMIT`'s
+/// place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_at_commit_first_execution_costs_the_bare_round_trips_and_one() {
     let c = count!(
@@ -186,10 +205,13 @@ async fn postgres_at_commit_first_execution_costs_the_bare_round_trips_and_one()
     let (bare, first, fin, replay) = (c[0], c[1], c[2], c[3]);
     assert_eq!(first, bare + 1.0, "the ledger row");
     assert_eq!(fin, bare + 2.0, "the rollback to the savepoint, the row");
+    assert!(replay < bare, "a replay: {replay} >= {bare}");
+    // (Through a new layer each time: one more, its look-up of the ledger,
+    // once in a layer's life.)
     assert_eq!(
-        replay,
-        bare + 2.0,
-        "the row that meets the recorded one, the read"
+        c[4],
+        bare + 2.0 + 1.0,
+        "elsewhere: the row that meets the recorded one, the read"
     );
 }
 

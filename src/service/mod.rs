@@ -427,8 +427,11 @@ impl<DB: Backend> Run<DB> {
             Local::Finished if cfg.claim_at_commit => {
                 self.begin_at_commit(&id, true, deadline).await
             }
-            Local::Leader { .. } if cfg.claim_at_commit => {
-                self.begin_at_commit(&id, false, deadline).await
+            // A retry of a scope that finished here reads the ledger
+            // before its handler runs (the claim-first mode's claim reads
+            // it anyway).
+            Local::Leader { finished, .. } if cfg.claim_at_commit => {
+                self.begin_at_commit(&id, *finished, deadline).await
             }
             Local::Finished => self.claim(&id, true, deadline).await,
             Local::Leader { .. } => self.claim(&id, false, deadline).await,
