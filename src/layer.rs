@@ -610,9 +610,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// reads the ledger first (one read more for every first execution).
     /// Within one layer, duplicates wait for the first, off the pool, and
     /// a retry of a key that finished in this layer (among the last 1024
-    /// keys it finished, kept as hashes, about 24 KiB) reads the ledger
-    /// before its handler runs; a key that ended with nothing recorded
-    /// costs that retry one read. Anything the handler
+    /// distinct keys to finish, shared by all principals, kept as hashes:
+    /// under 32 KiB) reads the ledger before its handler runs: a replay.
+    /// A key that ended with nothing recorded (a rejection, a `5xx`), or a
+    /// read that fails, costs that retry one read, and it runs as any
+    /// other. Anything the handler
     /// does outside the transaction (an email, a provider call, a message)
     /// **would happen twice**: use this mode only when every effect is a
     /// write on the claimed transaction. Two concurrent duplicates also

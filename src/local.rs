@@ -9,11 +9,12 @@
 //! claim, across processes too. The map only keeps a duplicate storm from
 //! pinning the connection pool.
 //!
-//! It also remembers the last [`FINISHED`] scopes whose first request ended
-//! here (as 64-bit hashes, keyed per process), so that a later retry of one
-//! is known to be a duplicate: in the claim-at-commit mode it then reads
-//! the ledger before running the handler. A hint only: a hash that
-//! collides, or a scope that ended with nothing recorded, costs one read.
+//! Where asked (the claim-at-commit mode), it also remembers the last
+//! [`FINISHED`] distinct scopes whose leader finished here (as 64-bit
+//! hashes, keyed per layer), so that a later retry of one is known to be a
+//! duplicate and reads the ledger before running the handler. A hint
+//! only: a hash that collides, or a scope that ended with nothing
+//! recorded, costs one read, after which the request runs as any other.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -25,7 +26,7 @@ use tokio::sync::watch;
 
 use crate::store::Scope;
 
-/// How many finished scopes a layer remembers (about 24 KiB).
+/// How many finished scopes a layer remembers (under 32 KiB of hashes).
 pub(crate) const FINISHED: usize = 1024;
 
 /// The scopes whose first request is running in this process, and the
@@ -39,23 +40,24 @@ pub(crate) struct LocalClaims {
 #[derive(Debug, Default)]
 struct State {
     running: HashMap<String, watch::Receiver<()>>,
-    /// Hashes of finished scopes, oldest first, each once, at most
-    /// [`FINISHED`]; `finished_set` holds the same hashes.
+    /// Hashes of finished scopes in the order each first finished, each
+    /// once, at most [`FINISHED`]; `finished_set` holds the same hashes.
     finished: VecDeque<u64>,
     finished_set: HashSet<u64>,
 }
 
 impl State {
     fn finish(&mut self, hash: u64) {
-        if !self.finished_set.insert(hash) {
+        if self.finished_set.contains(&hash) {
             return;
         }
-        self.finished.push_back(hash);
-        if self.finished.len() > FINISHED
+        if self.finished.len() >= FINISHED
             && let Some(oldest) = self.finished.pop_front()
         {
             self.finished_set.remove(&oldest);
         }
+        self.finished.push_back(hash);
+        self.finished_set.insert(hash);
     }
 }
 
@@ -63,8 +65,8 @@ impl State {
 pub(crate) enum Local {
     /// This request is the scope's first in this process now; the token
     /// is held (for its `Drop`) until the answer is settled. `finished`:
-    /// a request of the scope finished here before (among the last
-    /// [`FINISHED`]).
+    /// where finished scopes are remembered, a request of the scope
+    /// finished here before (among the last [`FINISHED`]).
     Leader { _token: Leader, finished: bool },
     /// Another request of the scope ran here and has answered.
     Finished,
@@ -77,15 +79,18 @@ pub(crate) enum Local {
 pub(crate) struct Leader {
     claims: Arc<LocalClaims>,
     key: String,
+    /// The scope's hash, where finished scopes are remembered.
+    remember: Option<u64>,
     _done: watch::Sender<()>,
 }
 
 impl Drop for Leader {
     fn drop(&mut self) {
-        let hash = self.claims.hasher.hash_one(&self.key);
         let mut state = self.claims.lock();
         state.running.remove(&self.key);
-        state.finish(hash);
+        if let Some(hash) = self.remember {
+            state.finish(hash);
+        }
     }
 }
 
@@ -105,10 +110,17 @@ impl LocalClaims {
     }
 
     /// Becomes the scope's leader, or waits (at most `wait`) for the
-    /// current leader to finish.
-    pub(crate) async fn lead_or_wait(self: &Arc<Self>, scope: &Scope<'_>, wait: Duration) -> Local {
+    /// current leader to finish. With `remember`, a leader's scope is
+    /// remembered once it finishes, and a new leader is told whether its
+    /// scope was.
+    pub(crate) async fn lead_or_wait(
+        self: &Arc<Self>,
+        scope: &Scope<'_>,
+        wait: Duration,
+        remember: bool,
+    ) -> Local {
         let key = Self::key(scope);
-        let hash = self.hasher.hash_one(&key);
+        let hash = remember.then(|| self.hasher.hash_one(&key));
         let mut running = {
             let mut state = self.lock();
             match state.running.get(&key) {
@@ -120,9 +132,10 @@ impl LocalClaims {
                         _token: Leader {
                             claims: Arc::clone(self),
                             key,
+                            remember: hash,
                             _done: tx,
                         },
-                        finished: state.finished_set.contains(&hash),
+                        finished: hash.is_some_and(|h| state.finished_set.contains(&h)),
                     };
                 }
             }
@@ -150,13 +163,17 @@ mod tests {
     #[tokio::test]
     async fn second_waits_for_the_first_and_the_map_empties() {
         let claims = Arc::new(LocalClaims::default());
-        let leader = claims.lead_or_wait(&scope(), Duration::from_secs(5)).await;
+        let leader = claims
+            .lead_or_wait(&scope(), Duration::from_secs(5), false)
+            .await;
         assert!(matches!(leader, Local::Leader { .. }));
         let waiter = {
             let claims = Arc::clone(&claims);
             tokio::spawn(async move {
                 matches!(
-                    claims.lead_or_wait(&scope(), Duration::from_secs(5)).await,
+                    claims
+                        .lead_or_wait(&scope(), Duration::from_secs(5), false)
+                        .await,
                     Local::Finished
                 )
             })
@@ -166,12 +183,15 @@ mod tests {
         drop(leader);
         assert!(waiter.await.unwrap());
         assert!(claims.lock().running.is_empty());
+        assert!(claims.lock().finished.is_empty(), "not asked to remember");
         // The wait is bounded.
-        let _leader = claims.lead_or_wait(&scope(), Duration::from_secs(5)).await;
+        let _leader = claims
+            .lead_or_wait(&scope(), Duration::from_secs(5), false)
+            .await;
         let started = std::time::Instant::now();
         assert!(matches!(
             claims
-                .lead_or_wait(&scope(), Duration::from_millis(50))
+                .lead_or_wait(&scope(), Duration::from_millis(50), false)
                 .await,
             Local::StillRunning
         ));
@@ -182,7 +202,7 @@ mod tests {
     async fn a_scope_that_finished_here_is_known_to_the_next_leader() {
         let claims = Arc::new(LocalClaims::default());
         let wait = Duration::from_secs(5);
-        let first = claims.lead_or_wait(&scope(), wait).await;
+        let first = claims.lead_or_wait(&scope(), wait, true).await;
         assert!(matches!(
             first,
             Local::Leader {
@@ -191,7 +211,7 @@ mod tests {
             }
         ));
         drop(first);
-        let again = claims.lead_or_wait(&scope(), wait).await;
+        let again = claims.lead_or_wait(&scope(), wait, true).await;
         assert!(matches!(again, Local::Leader { finished: true, .. }));
         drop(again);
         // Bounded: the oldest is forgotten once FINISHED others finished.
@@ -202,7 +222,7 @@ mod tests {
                 operation: "op",
                 key: &key,
             };
-            let leader = claims.lead_or_wait(&other, wait).await;
+            let leader = claims.lead_or_wait(&other, wait, true).await;
             assert!(matches!(
                 leader,
                 Local::Leader {
@@ -217,7 +237,7 @@ mod tests {
             assert_eq!(state.finished_set.len(), FINISHED);
             assert!(state.running.is_empty());
         }
-        let forgotten = claims.lead_or_wait(&scope(), wait).await;
+        let forgotten = claims.lead_or_wait(&scope(), wait, true).await;
         assert!(matches!(
             forgotten,
             Local::Leader {

@@ -29,17 +29,27 @@ pub(super) enum AtCommit {
 impl<DB: Backend> Run<DB> {
     /// Begins the transaction the handler runs on, holding nothing of the
     /// key. A request known to be a duplicate (its local leader answered),
-    /// or every request with `with_read_first`, reads the ledger first.
+    /// or every request with `with_read_first`, reads the ledger first; so
+    /// does a request whose scope `finished_here` (a hint: a read that
+    /// fails then proves nothing, and the request goes on, the row's
+    /// constraint deciding as for any other).
     pub(super) async fn begin_at_commit(
         &self,
         id: &Identity<'_>,
         duplicate: bool,
+        finished_here: bool,
         deadline: Instant,
     ) -> Claimed<DB> {
-        if self.config.read_first || duplicate {
-            match self.lookup(id, deadline, 1).await {
+        let must_read = self.config.read_first || duplicate;
+        if must_read || finished_here {
+            let read_by = match must_read {
+                true => deadline,
+                false => deadline.min(Instant::now() + MIN_READ_WAIT),
+            };
+            match self.lookup(id, read_by, 1).await {
                 Ok(Some(answer)) => return Claimed::Answer(answer),
                 Ok(None) => {}
+                Err(_) if !must_read => {}
                 Err(e) => return Claimed::Answer(refusal(store_problem::<DB>(&e), 1)),
             }
         }

@@ -405,7 +405,12 @@ impl<DB: Backend> Run<DB> {
         // A duplicate of a request running in this process waits here, off
         // the pool; the leader's token lives until the answer is settled.
         let local_wait = deadline.saturating_duration_since(Instant::now());
-        let local = cfg.local.lead_or_wait(&id.scope, local_wait).await;
+        // The claim-at-commit mode remembers the scopes that finished here
+        // (the claim-first mode's claim reads the row anyway).
+        let local = cfg
+            .local
+            .lead_or_wait(&id.scope, local_wait, cfg.claim_at_commit)
+            .await;
         // The principal's turn at the store, held from the claim to the
         // answer's commit (fairness between tenants: see `fairness`).
         let _slot = match &local {
@@ -425,13 +430,10 @@ impl<DB: Backend> Run<DB> {
         let claimed = match &local {
             Local::StillRunning => Claimed::Answer(self.pending(Pending::InFlight, 0)),
             Local::Finished if cfg.claim_at_commit => {
-                self.begin_at_commit(&id, true, deadline).await
+                self.begin_at_commit(&id, true, false, deadline).await
             }
-            // A retry of a scope that finished here reads the ledger
-            // before its handler runs (the claim-first mode's claim reads
-            // it anyway).
             Local::Leader { finished, .. } if cfg.claim_at_commit => {
-                self.begin_at_commit(&id, *finished, deadline).await
+                self.begin_at_commit(&id, false, *finished, deadline).await
             }
             Local::Finished => self.claim(&id, true, deadline).await,
             Local::Leader { .. } => self.claim(&id, false, deadline).await,
