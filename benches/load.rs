@@ -648,7 +648,6 @@ async fn main() {
             ("baseline (no layer)", Route::Bare, Keys::None),
             ("first execution", Route::Layer, Keys::Unique),
             ("replay", Route::Layer, Keys::One),
-            ("candidate: v6 functions", Route::V6, Keys::Unique),
             (
                 "candidate: two prepared writes",
                 Route::TwoWrites,
@@ -666,7 +665,7 @@ async fn main() {
                 Keys::Unique,
             ),
         ];
-        let mut spent = [(0.0, 0.0, 0.0); 8];
+        let mut spent = [(0.0, 0.0, 0.0); 7];
         let mut measured: Vec<(&str, Run, PgStats, usize)> = scenarios
             .iter()
             .map(|s| {
@@ -755,7 +754,7 @@ async fn main() {
             base,
             first: measured[1].1.rps(),
             replay: measured[2].1.rps(),
-            at_commit: measured[5].1.rps(),
+            at_commit: measured[4].1.rps(),
         });
     }
     println!();
@@ -942,21 +941,15 @@ async fn load_n(
     statuses
 }
 
-/// The baseline and first executions with the database `delay` away (each
-/// direction), interleaved, next to the loopback ratios of this run.
 /// The ledger designs at the SQL level (`benches/sql/run.sh`: pgbench
 /// replays each design's statements, ratios to the bare transaction in the
 /// same run), beside this run's end-to-end ratio for the design built.
-/// (`run.sh` alone also prices the older `v5` and `v6_nosp`, left out here
+/// (`run.sh` alone also prices the older `v5`, `v6` and `v6_nosp`, left out here
 /// to keep `cargo bench` short.)
 fn designs(loopback: &[Point]) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/sql/run.sh");
     let what = [
         ("bare", "the business transaction alone"),
-        (
-            "v6",
-            "ledger v6 (the release before): advisory lock on the scope and the `PROCESSING` row in the claim function, savepoint; the row updated by the recording function with the `COMMIT`",
-        ),
         (
             "one_write",
             "advisory lock and a read, then the finished row inserted with the `COMMIT` (the shape ledger v8 builds, here as literal simple queries; v8 sends the read and the row as prepared statements of their own)",
@@ -979,8 +972,7 @@ fn designs(loopback: &[Point]) {
             .iter()
             .map(|p| match *name {
                 "bare" => "1.00".to_string(),
-                "one_write" => format!("{:.2} (v8)", p.first / p.base),
-                _ => "(see the CPU table)".to_string(),
+                _ => format!("{:.2} (v8)", p.first / p.base),
             })
             .collect();
         println!(
@@ -1073,6 +1065,8 @@ fn pgbench_ratios(script: &str, protocol: &str, what: &[(&str, &str)]) -> Option
     Some(ratios)
 }
 
+/// The baseline and first executions with the database `delay` away (each
+/// direction), interleaved, next to the loopback ratios of this run.
 async fn at_a_distance(db: &str, pg: std::net::SocketAddr, delay: Duration, loopback: &[Point]) {
     println!();
     println!(
