@@ -614,10 +614,9 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// under 32 KiB) reads the ledger before its handler runs: a replay.
     /// A key that ended with nothing recorded (a rejection, a `5xx`), or a
     /// read that fails, costs that retry one read, and it runs as any
-    /// other. Anything the handler
-    /// does outside the transaction (an email, a provider call, a message)
-    /// **would happen twice**: use this mode only when every effect is a
-    /// write on the claimed transaction. Two concurrent duplicates also
+    /// other. Anything the handler does outside the transaction (an email,
+    /// a provider call, a message) **would happen twice**: use this mode
+    /// only when every effect is a write on the claimed transaction. Two concurrent duplicates also
     /// hold their business rows' locks against each other until one loses
     /// (a deadlock between them is resolved by the database and answered
     /// as a lost race). Final business errors still roll the business
