@@ -1020,22 +1020,28 @@ fn floor(script: &str, loopback: &[Point]) {
     for (i, (name, text)) in what.iter().enumerate() {
         println!("| {name} (SQL) | {text} | {} |", ratios[i].join(" | "));
     }
-    let v8: Vec<String> = loopback
-        .iter()
-        .map(|p| format!("{:.2}", p.first / p.base))
-        .collect();
-    println!(
-        "| v8 (end to end) | the layer: claim-first, bare + 2 round trips | {} |",
-        v8.join(" | ")
-    );
-    let at_commit: Vec<String> = loopback
-        .iter()
-        .map(|p| format!("{:.2}", p.at_commit / p.base))
-        .collect();
-    println!(
-        "| claim at commit (end to end) | the layer's opt-in mode: bare + 1 round trip | {} |",
-        at_commit.join(" | ")
-    );
+    // Each route's first executions, read from this run's points.
+    let first_of: fn(&Point) -> f64 = |p| p.first;
+    let at_commit_of: fn(&Point) -> f64 = |p| p.at_commit;
+    let layer = [
+        (
+            "v8",
+            "the layer: claim-first, bare + 2 round trips",
+            first_of,
+        ),
+        (
+            "claim at commit",
+            "the layer's opt-in mode: bare + 1 round trip",
+            at_commit_of,
+        ),
+    ];
+    for (name, text, first) in layer {
+        let ratios: Vec<String> = loopback
+            .iter()
+            .map(|p| format!("{:.2}", first(p) / p.base))
+            .collect();
+        println!("| {name} (end to end) | {text} | {} |", ratios.join(" | "));
+    }
 }
 
 /// `benches/sql/run.sh` at each concurrency for the named scripts: each
