@@ -43,6 +43,12 @@ mod relay;
 #[path = "../tests/common/pg_log.rs"]
 mod pg_log;
 
+#[path = "support/allocations.rs"]
+mod allocations;
+
+#[global_allocator]
+static ALLOCATOR: allocations::Counting = allocations::Counting;
+
 const PHASE: Duration = Duration::from_secs(3);
 const ROUNDS: usize = 2;
 const MAX_REQUESTS: u64 = 200_000;
@@ -316,6 +322,7 @@ fn service_runtime() -> &'static tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("svc")
+            .on_thread_start(allocations::service_thread)
             .enable_all()
             .build()
             .unwrap()
@@ -593,7 +600,9 @@ async fn main() {
     setup.close().await;
 
     // `TI_BENCH_PROFILE=layer|bare|two|v6|commit|one [TI_BENCH_SECS=20]`: serve one route at
-    // c = 8 and print its CPU split only, for `perf record` alongside.
+    // c = 8 and print its allocator calls per sequential request and its CPU split only, for
+    // `perf record` alongside. With `TI_BENCH_SEQUENTIAL=N`: only N sequential requests, for
+    // `benches/instructions.sh` (valgrind counts the service's instructions).
     if let Ok(which) = std::env::var("TI_BENCH_PROFILE") {
         let route = match which.as_str() {
             "bare" => Route::Bare,
@@ -613,7 +622,25 @@ async fn main() {
             .and_then(|s| s.parse().ok())
             .unwrap_or(20);
         let server = serve(&url, route).await;
+        if let Some(n) = std::env::var("TI_BENCH_SEQUENTIAL")
+            .ok()
+            .and_then(|n| n.parse().ok())
+        {
+            load_n(server.addr, keys, ORDER, n).await;
+            server.stop().await;
+            drop_database(&admin, &db).await;
+            return;
+        }
         load(server.addr, 8, keys, ORDER, Duration::from_secs(2)).await;
+        const SEQUENTIAL: u64 = 200;
+        let (_, calls, bytes) =
+            allocations::count(load_n(server.addr, keys, ORDER, SEQUENTIAL)).await;
+        let n = SEQUENTIAL as f64;
+        println!(
+            "{which}: per sequential request, {:.0} allocator calls, {:.0} bytes",
+            calls as f64 / n,
+            bytes as f64 / n
+        );
         let (s0, l0, p0) = cpu_now();
         let run = load(server.addr, 8, keys, ORDER, Duration::from_secs(secs)).await;
         let (s1, l1, p1) = cpu_now();
@@ -890,12 +917,15 @@ async fn round_trips_and_wal(admin: &str, db: &str, pg: std::net::SocketAddr) {
     ];
     println!();
     println!(
-        "Round trips to PostgreSQL and WAL per request ({N} sequential requests each, counted by a relay; \
-         sqlx's pool adds its own check of each returned connection, included here for both):"
+        "Round trips to PostgreSQL, WAL and the service's allocator calls per request ({N} sequential \
+         requests each, counted by a relay and a counting allocator on the service's threads; sqlx's pool \
+         adds its own check of each returned connection, included here for both):"
     );
     println!();
-    println!("| scenario | round trips | WAL bytes | statuses |");
-    println!("|---|---|---|---|");
+    println!(
+        "| scenario | round trips | WAL bytes | allocator calls | bytes allocated | statuses |"
+    );
+    println!("|---|---|---|---|---|---|");
     for (name, layer, keys, body) in scenarios {
         let relay = relay::Relay::start(pg, Duration::ZERO);
         let server = serve(&via(&relay, db), layer).await;
@@ -904,15 +934,18 @@ async fn round_trips_and_wal(admin: &str, db: &str, pg: std::net::SocketAddr) {
         tokio::time::sleep(Duration::from_millis(100)).await;
         let before = relay.round_trips();
         let lsn = wal_lsn(admin).await;
-        let statuses = load_n(server.addr, keys, body, N).await;
+        let (statuses, calls, bytes) = allocations::count(load_n(server.addr, keys, body, N)).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         let rts = relay.round_trips() - before;
         let wal = wal_bytes(admin, &lsn, &wal_lsn(admin).await).await;
         server.stop().await;
+        let n = N as f64;
         println!(
-            "| {name} | {:.2} | {:.0} | {statuses:?} |",
-            rts as f64 / N as f64,
-            wal as f64 / N as f64
+            "| {name} | {:.2} | {:.0} | {:.0} | {:.0} | {statuses:?} |",
+            rts as f64 / n,
+            wal as f64 / n,
+            calls as f64 / n,
+            bytes as f64 / n
         );
     }
 }
