@@ -12,6 +12,8 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue};
 use sqlx::Pool;
 
 use crate::store::{Backend, Record, RecordStatus};
@@ -195,6 +197,25 @@ impl<DB: Backend> Sweeper<DB> {
     }
 }
 
+/// The header that tells the client until when its key is honoured.
+pub(crate) fn expiry_header(expires_at: i64) -> Option<HeaderValue> {
+    // The date's own buffer becomes the value's (`from_str` copied it).
+    HeaderValue::from_maybe_shared(Bytes::from(http_date(expires_at))).ok()
+}
+
+/// Tells the client until when its key is honoured.
+pub(crate) fn add_expiry(headers: &mut HeaderMap, expires_at: i64) {
+    if let Some(value) = expiry_header(expires_at) {
+        headers.insert(expires_name(), value);
+    }
+}
+
+/// The `Idempotency-Key-Expires` header's name, made without a copy
+/// (inserting the `&str` copied it on every answer).
+pub(crate) fn expires_name() -> HeaderName {
+    HeaderName::from_static(IDEMPOTENCY_KEY_EXPIRES)
+}
+
 /// Formats epoch milliseconds as an HTTP-date (IMF-fixdate, RFC 9110 §5.6.7).
 pub(crate) fn http_date(epoch_ms: i64) -> String {
     const DAYS: [&str; 7] = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"];
@@ -214,16 +235,39 @@ pub(crate) fn http_date(epoch_ms: i64) -> String {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{}, {:02} {} {} {:02}:{:02}:{:02} GMT",
-        DAYS[days.rem_euclid(7) as usize],
-        day,
-        MONTHS[(month - 1) as usize],
-        year,
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    let weekday = DAYS[days.rem_euclid(7) as usize];
+    let month = MONTHS[(month - 1) as usize];
+    if !(1000..=9999).contains(&year) {
+        return format!(
+            "{weekday}, {day:02} {month} {year} {:02}:{:02}:{:02} GMT",
+            rem / 3600,
+            rem % 3600 / 60,
+            rem % 60
+        );
+    }
+    // Every date a key can expire at: written digit by digit into its
+    // exact length (this runs for every recorded answer).
+    fn digits(out: &mut String, n: i64, width: u32) {
+        for place in (0..width).rev() {
+            out.push(char::from(b'0' + (n / 10_i64.pow(place) % 10) as u8));
+        }
+    }
+    let mut out = String::with_capacity(29);
+    out.push_str(weekday);
+    out.push_str(", ");
+    digits(&mut out, day, 2);
+    out.push(' ');
+    out.push_str(month);
+    out.push(' ');
+    digits(&mut out, year, 4);
+    out.push(' ');
+    digits(&mut out, rem / 3600, 2);
+    out.push(':');
+    digits(&mut out, rem % 3600 / 60, 2);
+    out.push(':');
+    digits(&mut out, rem % 60, 2);
+    out.push_str(" GMT");
+    out
 }
 
 /// Parses an HTTP-date (RFC 9110 §5.6.7) into epoch milliseconds: the
@@ -346,5 +390,22 @@ mod tests {
             "Sun, 29 Nov 2026 14:39:47 GMT"
         );
         assert_eq!(http_date(951_782_400_000), "Tue, 29 Feb 2000 00:00:00 GMT");
+        // Years of fewer or more than four digits, written as they are.
+        assert_eq!(
+            http_date(-30_641_760_000_000),
+            "Tue, 01 Jan 999 00:00:00 GMT"
+        );
+        assert_eq!(
+            http_date(253_402_300_800_000),
+            "Sat, 01 Jan 10000 00:00:00 GMT"
+        );
+        // Digit by digit, every field: each second of a day, each day of
+        // four centuries, parsed back.
+        for ms in (0..86_400_000)
+            .step_by(1000)
+            .chain((-10_000_i64..136_000).map(|day| day * 86_400_000 + 45_296_000))
+        {
+            assert_eq!(parse_http_date(&http_date(ms)), Some(ms), "{ms}");
+        }
     }
 }

@@ -106,7 +106,10 @@ impl LocalClaims {
     }
 
     fn key(scope: &Scope<'_>) -> String {
-        format!("{}\0{}\0{}", scope.principal, scope.operation, scope.key)
+        let parts = [scope.principal, "\0", scope.operation, "\0", scope.key];
+        let mut key = String::with_capacity(parts.iter().map(|p| p.len()).sum());
+        parts.iter().for_each(|p| key.push_str(p));
+        key
     }
 
     /// Becomes the scope's leader, or waits (at most `wait`) for the

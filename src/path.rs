@@ -11,13 +11,15 @@
 //! Nothing else changes: case outside escapes, repeated slashes and
 //! trailing slashes are significant, as they are to most routers.
 
-/// The normalized form of `path`.
-pub(crate) fn normalize(path: &str) -> String {
+use std::borrow::Cow;
+
+/// The normalized form of `path` (borrowed when it is already normal).
+pub(crate) fn normalize(path: &str) -> Cow<'_, str> {
     if !path.contains('%') && !path.split('/').any(|s| s == "." || s == "..") {
         // Already normal (the common case): no escape, no dot segment.
-        return path.to_owned();
+        return Cow::Borrowed(path);
     }
-    remove_dot_segments(&normalize_escapes(path))
+    Cow::Owned(remove_dot_segments(&normalize_escapes(path)))
 }
 
 fn normalize_escapes(path: &str) -> String {

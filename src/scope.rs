@@ -86,13 +86,21 @@ pub(crate) fn principal_from_extensions() -> PrincipalFn {
 pub(crate) fn default_operation(parts: &Parts) -> String {
     #[cfg(feature = "axum")]
     if let Some(path) = parts.extensions.get::<axum::extract::MatchedPath>() {
-        return format!("{} {}", parts.method, path.as_str());
+        return operation(parts.method.as_str(), path.as_str());
     }
-    format!(
-        "{} {}",
-        parts.method,
-        crate::path::normalize(parts.uri.path())
+    operation(
+        parts.method.as_str(),
+        &crate::path::normalize(parts.uri.path()),
     )
+}
+
+/// `METHOD path`, in one allocation of its exact size.
+fn operation(method: &str, path: &str) -> String {
+    let mut op = String::with_capacity(method.len() + 1 + path.len());
+    op.push_str(method);
+    op.push(' ');
+    op.push_str(path);
+    op
 }
 
 /// Marks a stored value as a hash of the real one.

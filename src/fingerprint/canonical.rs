@@ -59,8 +59,10 @@ pub(crate) fn canonicalize(input: &[u8]) -> Result<Vec<u8>, SyntaxError> {
         pos: 0,
         depth: 0,
         out: Vec::with_capacity(input.len() + input.len() / 4 + 8),
-        names: Vec::new(),
-        members: Vec::new(),
+        // Sized once for a small body's names and members, where growing
+        // from empty allocated several times per body.
+        names: Vec::with_capacity(input.len().min(256)),
+        members: Vec::with_capacity(16),
         scratch: Vec::new(),
     };
     c.skip_ws();
@@ -337,6 +339,7 @@ impl Canon<'_> {
             return Err(SyntaxError::new(m.at, What::Duplicate(echo_name(name(m)))));
         }
         scratch.clear();
+        scratch.reserve(out.len().saturating_sub(region));
         for (i, m) in members.iter().enumerate() {
             if i > 0 {
                 scratch.push(b',');

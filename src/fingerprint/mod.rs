@@ -222,17 +222,18 @@ impl Normalizer {
         headers: &[http::HeaderName],
     ) -> Result<Fingerprint, FingerprintError> {
         let mut h = Sha256::new();
-        let mut target = crate::path::normalize(parts.uri.path());
-        if let Some(query) = parts.uri.query() {
-            target.push('?');
-            target.push_str(query);
-        }
-        // Method and target are length-prefixed; the body comes last, so no
-        // two different requests hash alike.
-        for part in [parts.method.as_str().as_bytes(), target.as_bytes()] {
-            h.update((part.len() as u64).to_be_bytes());
-            h.update(part);
-        }
+        let path = crate::path::normalize(parts.uri.path());
+        let query = parts.uri.query().map(|q| ["?", q]);
+        // Method and target (the path, then `?` and the query, if any) are
+        // length-prefixed; the body comes last, so no two different
+        // requests hash alike.
+        let method = parts.method.as_str();
+        h.update((method.len() as u64).to_be_bytes());
+        h.update(method);
+        let query = query.unwrap_or(["", ""]);
+        let target = [&*path, query[0], query[1]];
+        h.update((target.iter().map(|p| p.len()).sum::<usize>() as u64).to_be_bytes());
+        target.iter().for_each(|p| h.update(p));
         for name in headers {
             h.update((name.as_str().len() as u64).to_be_bytes());
             h.update(name.as_str());
@@ -368,6 +369,56 @@ mod tests {
         )
         .unwrap();
         assert_ne!(raw1, raw2);
+    }
+
+    /// The digest's layout, written out here: fingerprints recorded by an
+    /// earlier release must still match a retry's after an upgrade.
+    #[test]
+    fn the_digest_layout_is_unchanged() {
+        let digest = |method: &str, target: &str, header: Option<(&str, &str)>, body: &[u8]| {
+            let mut h = Sha256::new();
+            for part in [method.as_bytes(), target.as_bytes()] {
+                h.update((part.len() as u64).to_be_bytes());
+                h.update(part);
+            }
+            if let Some((name, value)) = header {
+                h.update((name.len() as u64).to_be_bytes());
+                h.update(name);
+                h.update(1_u64.to_be_bytes());
+                h.update((value.len() as u64).to_be_bytes());
+                h.update(value);
+            }
+            h.update(body);
+            <[u8; 32]>::from(h.finalize())
+        };
+        let n = Normalizer::default();
+        let body = r#"{"b":1,"a":2}"#;
+        let canonical = canonical_json(body.as_bytes()).unwrap();
+        for (uri, target) in [
+            ("/orders/x/../%61bc", "/orders/abc"),
+            (
+                "/orders/abc?currency=KRW&x=%2f",
+                "/orders/abc?currency=KRW&x=%2f",
+            ),
+            ("/o?", "/o?"),
+        ] {
+            let ours = fp(&n, Method::POST, uri, JSON, body).unwrap();
+            assert_eq!(ours.0, digest("POST", target, None, &canonical), "{uri}");
+        }
+        let (parts, ()) = Request::post("/o")
+            .header("content-type", "text/plain")
+            .header("x-tenant", "t-1")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let headers = [http::HeaderName::from_static("x-tenant")];
+        let ours = n
+            .fingerprint_with(&parts, &Bytes::from_static(b"raw"), &headers)
+            .unwrap();
+        assert_eq!(
+            ours.0,
+            digest("POST", "/o", Some(("x-tenant", "t-1")), b"raw")
+        );
     }
 
     #[test]

@@ -2,11 +2,11 @@
 //! lease so the next attempt resumes. Shared by the layer and the completer.
 
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Response};
+use http::{HeaderName, Response};
 
 use super::{LeaseError, Leased};
 use crate::classify::Classification;
-use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date};
+use crate::expiry::add_expiry;
 use crate::outcome::IdempotencyOutcome;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::{StoredResponse, Trailers};
@@ -135,9 +135,7 @@ pub(crate) async fn settle<DB: Backend>(
     match committed {
         Ok(Some(expires_at)) => {
             let mut res = Response::from_parts(parts, stored.body);
-            if let Ok(value) = HeaderValue::from_str(&http_date(expires_at)) {
-                res.headers_mut().insert(IDEMPOTENCY_KEY_EXPIRES, value);
-            }
+            add_expiry(res.headers_mut(), expires_at);
             (res, outcome)
         }
         Ok(None) => {

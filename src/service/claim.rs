@@ -4,7 +4,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{Answer, IdempotencyOutcome, Identity, Run, add_expiry, refusal, store_problem};
+use super::{Answer, IdempotencyOutcome, Identity, Run, refusal, store_problem};
+use crate::expiry::add_expiry;
 use crate::expiry::{is_expired, retention_ms};
 
 use crate::problem::{Problem, ProblemKind};

@@ -13,12 +13,12 @@ use tower_service::Service;
 
 use super::at_commit::AtCommit;
 use super::{
-    BoxError, CatchUnwind, IdempotencyOutcome, Identity, ReadAnswer, Run, buffered, expiry_header,
-    read_response, refuse, store_problem,
+    BoxError, CatchUnwind, IdempotencyOutcome, Identity, ReadAnswer, Run, buffered, read_response,
+    refuse, store_problem,
 };
 use crate::body::{Ending, IdempotencyBody, Settle, Settled};
 use crate::classify::Classification;
-use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, retention_ms};
+use crate::expiry::{expires_name, expiry_header, retention_ms};
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
@@ -138,7 +138,7 @@ impl<DB: Backend> Run<DB> {
         let respond = |expiry: Option<HeaderValue>| {
             let mut res = answer.into_response(outcome);
             if let Some(expiry) = expiry {
-                res.headers_mut().insert(IDEMPOTENCY_KEY_EXPIRES, expiry);
+                res.headers_mut().insert(expires_name(), expiry);
             }
             Ok(res)
         };

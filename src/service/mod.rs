@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request, Response, header};
+use http::{HeaderMap, Request, Response, header};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use pin_project_lite::pin_project;
@@ -25,7 +25,6 @@ use tracing::Instrument;
 use crate::body::IdempotencyBody;
 use crate::classify::Classification;
 use crate::config::Config;
-use crate::expiry::{IDEMPOTENCY_KEY_EXPIRES, http_date};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::local::Local;
@@ -358,7 +357,9 @@ impl<DB: Backend> Run<DB> {
                 return Ok(refuse(problem, 0));
             }
         };
-        *named = Some(key.as_str().to_owned());
+        if named.as_deref() != Some(key.as_str()) {
+            *named = Some(key.as_str().to_owned());
+        }
         let fingerprint =
             match cfg
                 .normalizer
@@ -449,18 +450,6 @@ impl<DB: Backend> Run<DB> {
             }
             Claimed::Answer((res, outcome)) => Ok(buffered(res, outcome)),
         }
-    }
-}
-
-/// The header that tells the client until when its key is honoured.
-fn expiry_header(expires_at: i64) -> Option<HeaderValue> {
-    HeaderValue::from_str(&http_date(expires_at)).ok()
-}
-
-/// Tells the client until when its key is honoured.
-fn add_expiry(headers: &mut HeaderMap, expires_at: i64) {
-    if let Some(value) = expiry_header(expires_at) {
-        headers.insert(IDEMPOTENCY_KEY_EXPIRES, value);
     }
 }
 

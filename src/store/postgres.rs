@@ -1,5 +1,6 @@
 //! PostgreSQL: the production store.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
@@ -120,6 +121,45 @@ fn record_at_commit(schema: Option<&str>) -> String {
         table = ledger_table(schema),
         now = now_ms!(),
     )
+}
+
+/// The per-request statements of the ledger table of one schema
+/// ([`claim_read_sql`], [`record`], [`record_at_commit`]), formatted once
+/// per thread and schema: a request's statements are shared, not formatted
+/// and copied anew for every request.
+struct LedgerSql {
+    schema: Option<Box<str>>,
+    claim_read: Arc<str>,
+    record: Arc<str>,
+    record_at_commit: Arc<str>,
+}
+
+/// How many schemas' statements a thread keeps (the oldest goes first):
+/// a process has one ledger, or a few.
+const LEDGER_SQL_KEPT: usize = 8;
+
+/// The statements of the ledger table of `schema`.
+fn ledger_sql(schema: Option<&str>) -> Arc<LedgerSql> {
+    thread_local! {
+        static KEPT: std::cell::RefCell<Vec<Arc<LedgerSql>>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+    }
+    KEPT.with_borrow_mut(|kept| {
+        if let Some(sql) = kept.iter().find(|sql| sql.schema.as_deref() == schema) {
+            return Arc::clone(sql);
+        }
+        let sql = Arc::new(LedgerSql {
+            schema: schema.map(Into::into),
+            claim_read: claim_read_sql(schema).into(),
+            record: record(schema).into(),
+            record_at_commit: record_at_commit(schema).into(),
+        });
+        if kept.len() >= LEDGER_SQL_KEPT {
+            kept.remove(0);
+        }
+        kept.push(Arc::clone(&sql));
+        sql
+    })
 }
 
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
@@ -282,8 +322,8 @@ impl Backend for Postgres {
             tx.discard();
             return Err(e.into());
         }
-        let sql = AssertSqlSafe(record(claim.database));
-        let inserted: Result<Option<i64>, _> = ledger_row(sqlx::query(sql), claim, c)
+        let sql = AssertSqlSafe(Arc::clone(&ledger_sql(claim.database).record));
+        let inserted: Result<Option<i64>, _> = ledger_row(sql, claim, c)
             .bind(xid)
             .fetch_optional(&mut *tx)
             .await
@@ -761,8 +801,8 @@ async fn write_at_commit(
     c: &Completion<'_>,
     wait: &str,
 ) -> Result<Written, sqlx::Error> {
-    let sql = AssertSqlSafe(record_at_commit(claim.database));
-    let written = ledger_row(sqlx::query(sql), claim, c)
+    let sql = AssertSqlSafe(Arc::clone(&ledger_sql(claim.database).record_at_commit));
+    let written = ledger_row(sql, claim, c)
         .bind(wait)
         .fetch_optional(&mut **tx)
         .await?;
@@ -777,13 +817,25 @@ async fn write_at_commit(
 }
 
 /// The ledger row's values, `$1` to `$10` of [`record`] and
-/// [`record_at_commit`], on `query` prepared as the claim says.
+/// [`record_at_commit`], bound to `sql` prepared as the claim says.
 fn ledger_row<'q>(
-    query: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    sql: impl SqlSafeStr,
     claim: &Claim<'q>,
     c: &Completion<'q>,
-) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
-    query
+) -> sqlx::query::Query<'q, Postgres, PgArguments> {
+    // Sized once for every value (and the one the caller binds after
+    // them): binding into the default buffer grew it several times.
+    let mut arguments = PgArguments::default();
+    let scope = &claim.scope;
+    let text = scope.principal.len()
+        + scope.operation.len()
+        + scope.key.len()
+        + claim.fingerprint.len()
+        + c.response_headers.len()
+        + c.response_body.len()
+        + c.resource_id.map_or(0, str::len);
+    sqlx::Arguments::reserve(&mut arguments, 11, text + 11 * 4 + 64);
+    sqlx::query_with(sql, arguments)
         .persistent(claim.cached_statements)
         .bind(utf8(claim.scope.principal))
         .bind(utf8(claim.scope.operation))
@@ -862,13 +914,15 @@ async fn claim_read(
     tx: &mut Claimed<Postgres>,
     claim: &Claim<'_>,
 ) -> Result<(Option<i64>, Option<Record>), sqlx::Error> {
-    let row = sqlx::query(AssertSqlSafe(claim_read_sql(claim.database)))
-        .persistent(claim.cached_statements)
-        .bind(utf8(claim.scope.principal))
-        .bind(utf8(claim.scope.operation))
-        .bind(utf8(claim.scope.key))
-        .fetch_one(&mut **tx)
-        .await?;
+    let row = sqlx::query(AssertSqlSafe(Arc::clone(
+        &ledger_sql(claim.database).claim_read,
+    )))
+    .persistent(claim.cached_statements)
+    .bind(utf8(claim.scope.principal))
+    .bind(utf8(claim.scope.operation))
+    .bind(utf8(claim.scope.key))
+    .fetch_one(&mut **tx)
+    .await?;
     let xid = row.try_get::<Option<i64>, _>(0)?;
     if row.try_get::<Option<String>, _>(1)?.is_none() {
         return Ok((xid, None));
@@ -1055,7 +1109,27 @@ fn record_at(row: &sqlx::postgres::PgRow, first: usize) -> Result<super::Record,
 
 #[cfg(test)]
 mod tests {
-    use super::XactStatus;
+    use std::sync::Arc;
+
+    use super::{LEDGER_SQL_KEPT, XactStatus, ledger_sql};
+
+    #[test]
+    fn a_schemas_statements_are_formatted_once_and_name_it() {
+        let public = ledger_sql(Some("\"public\""));
+        assert!(Arc::ptr_eq(&public, &ledger_sql(Some("\"public\""))));
+        assert!(public.record.contains("\"public\".idempotency_records"));
+        let other = ledger_sql(Some("\"other\""));
+        assert!(!Arc::ptr_eq(&public, &other));
+        for sql in [&other.claim_read, &other.record, &other.record_at_commit] {
+            assert!(sql.contains("\"other\".idempotency_records"), "{sql}");
+        }
+        assert!(!ledger_sql(None).record.contains('"'));
+        // Bounded: the oldest is formatted again once others pushed it out.
+        for i in 0..LEDGER_SQL_KEPT {
+            ledger_sql(Some(&format!("s{i}")));
+        }
+        assert!(!Arc::ptr_eq(&public, &ledger_sql(Some("\"public\""))));
+    }
 
     #[test]
     fn xact_statuses_map_to_outcomes() {
