@@ -123,6 +123,29 @@ fn record_at_commit(schema: Option<&str>) -> String {
     )
 }
 
+/// Claim at commit's `BEGIN` batch at `isolation`: the level and this
+/// process's savepoint, formatted once per level.
+fn begin_at_commit_sql(isolation: IsolationLevel) -> Arc<str> {
+    static BEGINS: std::sync::OnceLock<[Arc<str>; 3]> = std::sync::OnceLock::new();
+    let begins = BEGINS.get_or_init(|| {
+        [
+            IsolationLevel::ReadCommitted,
+            IsolationLevel::RepeatableRead,
+            IsolationLevel::Serializable,
+        ]
+        .map(|level| {
+            let take = &Savepoint::get().take;
+            format!("BEGIN ISOLATION LEVEL {}; {take}", level.as_sql()).into()
+        })
+    });
+    let i = match isolation {
+        IsolationLevel::ReadCommitted => 0,
+        IsolationLevel::RepeatableRead => 1,
+        IsolationLevel::Serializable => 2,
+    };
+    Arc::clone(&begins[i])
+}
+
 /// The per-request statements of the ledger table of one schema
 /// ([`claim_read_sql`], [`record`], [`record_at_commit`]), formatted once
 /// per thread and schema: a request's statements are shared, not formatted
@@ -195,11 +218,9 @@ impl Backend for Postgres {
         // SHA-256 (64 bits, so no principal can make another one's claims
         // wait).
         let (k1, k2) = scope_lock(&claim.scope);
-        let begin = format!(
-            "{}; {}",
-            begin_locked(claim.isolation, k1, k2),
-            Savepoint::get().take
-        );
+        let mut begin = begin_locked(claim.isolation, k1, k2);
+        begin.push_str("; ");
+        begin.push_str(&Savepoint::get().take);
         let begin = AssertSqlSafe(begin).into_sql_str();
         let mut tx = match Claimed::begin(conn, begin, rollback).await {
             Ok(tx) => tx,
@@ -387,12 +408,8 @@ impl Backend for Postgres {
         // One round trip, the transaction's start (sqlx counts it): the
         // level and the savepoint. The transaction gets its id from the
         // handler's first write, or from `give_id` when it wrote nothing.
-        let begin = format!(
-            "BEGIN ISOLATION LEVEL {}; {}",
-            claim.isolation.as_sql(),
-            Savepoint::get().take
-        );
-        match Claimed::begin(conn, AssertSqlSafe(begin).into_sql_str(), rollback).await {
+        let begin = AssertSqlSafe(begin_at_commit_sql(claim.isolation)).into_sql_str();
+        match Claimed::begin(conn, begin, rollback).await {
             Ok(tx) => Ok(tx),
             Err((e, mut conn)) => {
                 // The batch may have left the server inside its `BEGIN`.
@@ -900,11 +917,16 @@ pub(crate) fn scope_lock(scope: &Scope<'_>) -> (i32, i32) {
 /// `(k1, k2)` if it is free (or already this session's), and only then gets
 /// its id: the id says whether the lock is the transaction's.
 fn begin_locked(isolation: IsolationLevel, k1: i32, k2: i32) -> String {
-    format!(
+    use std::fmt::Write;
+    // Room for the savepoint the claim appends: one allocation.
+    let mut sql = String::with_capacity(192);
+    let _ = write!(
+        sql,
         "BEGIN ISOLATION LEVEL {}; \
          SELECT txid_current() WHERE pg_try_advisory_xact_lock({k1}, {k2})",
         isolation.as_sql()
-    )
+    );
+    sql
 }
 
 /// The claim's read on the claimed transaction: its id (if round trip 1
@@ -1111,7 +1133,8 @@ fn record_at(row: &sqlx::postgres::PgRow, first: usize) -> Result<super::Record,
 mod tests {
     use std::sync::Arc;
 
-    use super::{LEDGER_SQL_KEPT, XactStatus, ledger_sql};
+    use super::{LEDGER_SQL_KEPT, XactStatus, begin_at_commit_sql, ledger_sql};
+    use crate::store::IsolationLevel;
 
     #[test]
     fn a_schemas_statements_are_formatted_once_and_name_it() {
@@ -1129,6 +1152,23 @@ mod tests {
             ledger_sql(Some(&format!("s{i}")));
         }
         assert!(!Arc::ptr_eq(&public, &ledger_sql(Some("\"public\""))));
+    }
+
+    #[test]
+    fn claim_at_commits_begin_names_its_level_and_the_savepoint() {
+        let take = &crate::store::Savepoint::get().take;
+        for level in [
+            IsolationLevel::ReadCommitted,
+            IsolationLevel::RepeatableRead,
+            IsolationLevel::Serializable,
+        ] {
+            let begin = begin_at_commit_sql(level);
+            assert_eq!(
+                &*begin,
+                format!("BEGIN ISOLATION LEVEL {}; {take}", level.as_sql())
+            );
+            assert!(Arc::ptr_eq(&begin, &begin_at_commit_sql(level)));
+        }
     }
 
     #[test]
