@@ -8,7 +8,8 @@
 # extensions under valgrind): compare routes with it, not seconds.
 # Usage: benches/instructions.sh [routes...]   (default: bare one commit two layer)
 # Needs valgrind and the load bench built (cargo bench --bench load --no-run);
-# N=300 sequential requests per route, BIN overrides the bench binary.
+# N=300 sequential requests per route (first uses, such as preparing each
+# statement, are spread over them), BIN overrides the bench binary.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 bin="${BIN:-$(ls -t "$here"/../target/release/deps/load-* | grep -v '\.d$' | head -1)}"
@@ -18,7 +19,8 @@ trap 'rm -rf "$out"' EXIT
 for route in ${*:-bare one commit two layer}; do
   TI_BENCH_SEQUENTIAL=$n TI_BENCH_PROFILE=$route valgrind --tool=callgrind \
     --collect-atstart=no '--toggle-collect=*handle_connection*' \
-    --callgrind-out-file="$out/$route" "$bin" --bench > "$out/$route.log" 2>&1
+    --callgrind-out-file="$out/$route" "$bin" --bench > "$out/$route.log" 2>&1 ||
+    { cat "$out/$route.log"; exit 1; }
   ir=$(awk '/refs:/ {gsub(",", "", $4); print $4}' "$out/$route.log")
   printf "%-8s %8d instructions per request\n" "$route" $((ir / n))
 done

@@ -637,7 +637,7 @@ async fn main() {
             allocations::count(load_n(server.addr, keys, ORDER, SEQUENTIAL)).await;
         let n = SEQUENTIAL as f64;
         println!(
-            "{which}: per sequential request, {:.0} allocator calls, {:.0} bytes",
+            "{which}: per sequential request, {:.0} allocator calls, {:.0} bytes requested",
             calls as f64 / n,
             bytes as f64 / n
         );
@@ -923,7 +923,7 @@ async fn round_trips_and_wal(admin: &str, db: &str, pg: std::net::SocketAddr) {
     );
     println!();
     println!(
-        "| scenario | round trips | WAL bytes | allocator calls | bytes allocated | statuses |"
+        "| scenario | round trips | WAL bytes | allocator calls | bytes requested | statuses |"
     );
     println!("|---|---|---|---|---|---|");
     for (name, layer, keys, body) in scenarios {

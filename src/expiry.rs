@@ -206,15 +206,13 @@ pub(crate) fn expiry_header(expires_at: i64) -> Option<HeaderValue> {
 /// Tells the client until when its key is honoured.
 pub(crate) fn add_expiry(headers: &mut HeaderMap, expires_at: i64) {
     if let Some(value) = expiry_header(expires_at) {
-        headers.insert(expires_name(), value);
+        headers.insert(EXPIRES, value);
     }
 }
 
-/// The `Idempotency-Key-Expires` header's name, made without a copy
-/// (inserting the `&str` copied it on every answer).
-pub(crate) fn expires_name() -> HeaderName {
-    HeaderName::from_static(IDEMPOTENCY_KEY_EXPIRES)
-}
+/// The `Idempotency-Key-Expires` header's name, checked when the crate
+/// is built (inserting the `&str` copied it on every answer).
+pub(crate) const EXPIRES: HeaderName = HeaderName::from_static(IDEMPOTENCY_KEY_EXPIRES);
 
 /// Formats epoch milliseconds as an HTTP-date (IMF-fixdate, RFC 9110 §5.6.7).
 pub(crate) fn http_date(epoch_ms: i64) -> String {

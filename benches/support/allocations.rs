@@ -52,8 +52,9 @@ unsafe impl GlobalAlloc for Counting {
     }
 }
 
-/// Allocator calls (allocations and reallocations) and bytes asked for on
-/// the service's threads while `f` runs.
+/// Allocator calls (allocations and reallocations) and bytes requested
+/// (a reallocation's whole new size) on the service's threads while `f`
+/// runs.
 pub async fn count<T>(f: impl std::future::Future<Output = T>) -> (T, u64, u64) {
     let (c0, b0) = (CALLS.load(Ordering::Relaxed), BYTES.load(Ordering::Relaxed));
     ON.store(true, Ordering::Relaxed);

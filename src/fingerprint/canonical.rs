@@ -59,10 +59,8 @@ pub(crate) fn canonicalize(input: &[u8]) -> Result<Vec<u8>, SyntaxError> {
         pos: 0,
         depth: 0,
         out: Vec::with_capacity(input.len() + input.len() / 4 + 8),
-        // Sized once for a small body's names and members, where growing
-        // from empty allocated several times per body.
-        names: Vec::with_capacity(input.len().min(256)),
-        members: Vec::with_capacity(16),
+        names: Vec::new(),
+        members: Vec::new(),
         scratch: Vec::new(),
     };
     c.skip_ws();
@@ -251,6 +249,12 @@ impl Canon<'_> {
 
     fn object(&mut self) -> Result<(), SyntaxError> {
         self.enter()?;
+        if self.members.capacity() == 0 {
+            // Sized once, at the first object, for a small body's names and
+            // members (grown from empty, they allocated several times).
+            self.names.reserve(self.input.len().min(256));
+            self.members.reserve(16);
+        }
         self.out.push(b'{');
         let region = self.out.len();
         let first_member = self.members.len();

@@ -223,15 +223,14 @@ impl Normalizer {
     ) -> Result<Fingerprint, FingerprintError> {
         let mut h = Sha256::new();
         let path = crate::path::normalize(parts.uri.path());
-        let query = parts.uri.query().map(|q| ["?", q]);
+        let (mark, query) = parts.uri.query().map_or(("", ""), |q| ("?", q));
         // Method and target (the path, then `?` and the query, if any) are
         // length-prefixed; the body comes last, so no two different
         // requests hash alike.
         let method = parts.method.as_str();
         h.update((method.len() as u64).to_be_bytes());
         h.update(method);
-        let query = query.unwrap_or(["", ""]);
-        let target = [&*path, query[0], query[1]];
+        let target = [&*path, mark, query];
         h.update((target.iter().map(|p| p.len()).sum::<usize>() as u64).to_be_bytes());
         target.iter().for_each(|p| h.update(p));
         for name in headers {

@@ -5,9 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{Answer, IdempotencyOutcome, Identity, Run, refusal, store_problem};
-use crate::expiry::add_expiry;
-use crate::expiry::{is_expired, retention_ms};
-
+use crate::expiry::{add_expiry, is_expired, retention_ms};
 use crate::problem::{Problem, ProblemKind};
 use crate::store::{
     Backend, Claim, ClaimOutcome, Claimed as ClaimedTx, Record, RecordStatus, StoreErrorKind,

@@ -18,7 +18,7 @@ use super::{
 };
 use crate::body::{Ending, IdempotencyBody, Settle, Settled};
 use crate::classify::Classification;
-use crate::expiry::{expires_name, expiry_header, retention_ms};
+use crate::expiry::{EXPIRES, expiry_header, retention_ms};
 use crate::observe;
 use crate::problem::{Problem, ProblemKind};
 use crate::replay::StoredResponse;
@@ -138,7 +138,7 @@ impl<DB: Backend> Run<DB> {
         let respond = |expiry: Option<HeaderValue>| {
             let mut res = answer.into_response(outcome);
             if let Some(expiry) = expiry {
-                res.headers_mut().insert(expires_name(), expiry);
+                res.headers_mut().insert(EXPIRES, expiry);
             }
             Ok(res)
         };

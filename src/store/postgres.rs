@@ -123,26 +123,24 @@ fn record_at_commit(schema: Option<&str>) -> String {
     )
 }
 
+/// Every isolation level, in the order of [`begin_at_commit_sql`]'s texts.
+const LEVELS: [IsolationLevel; 3] = [
+    IsolationLevel::ReadCommitted,
+    IsolationLevel::RepeatableRead,
+    IsolationLevel::Serializable,
+];
+
 /// Claim at commit's `BEGIN` batch at `isolation`: the level and this
 /// process's savepoint, formatted once per level.
 fn begin_at_commit_sql(isolation: IsolationLevel) -> Arc<str> {
     static BEGINS: std::sync::OnceLock<[Arc<str>; 3]> = std::sync::OnceLock::new();
     let begins = BEGINS.get_or_init(|| {
-        [
-            IsolationLevel::ReadCommitted,
-            IsolationLevel::RepeatableRead,
-            IsolationLevel::Serializable,
-        ]
-        .map(|level| {
+        LEVELS.map(|level| {
             let take = &Savepoint::get().take;
             format!("BEGIN ISOLATION LEVEL {}; {take}", level.as_sql()).into()
         })
     });
-    let i = match isolation {
-        IsolationLevel::ReadCommitted => 0,
-        IsolationLevel::RepeatableRead => 1,
-        IsolationLevel::Serializable => 2,
-    };
+    let i = LEVELS.iter().position(|l| *l == isolation).unwrap_or(0);
     Arc::clone(&begins[i])
 }
 
@@ -157,8 +155,9 @@ struct LedgerSql {
     record_at_commit: Arc<str>,
 }
 
-/// How many schemas' statements a thread keeps (the oldest goes first):
-/// a process has one ledger, or a few.
+/// How many schemas' statements a thread keeps (the oldest goes first;
+/// a thread that takes turns among more schemas formats on every request,
+/// as before the cache): a process has one ledger, or a few.
 const LEDGER_SQL_KEPT: usize = 8;
 
 /// The statements of the ledger table of `schema`.
@@ -167,22 +166,28 @@ fn ledger_sql(schema: Option<&str>) -> Arc<LedgerSql> {
         static KEPT: std::cell::RefCell<Vec<Arc<LedgerSql>>> =
             const { std::cell::RefCell::new(Vec::new()) };
     }
-    KEPT.with_borrow_mut(|kept| {
-        if let Some(sql) = kept.iter().find(|sql| sql.schema.as_deref() == schema) {
-            return Arc::clone(sql);
-        }
-        let sql = Arc::new(LedgerSql {
+    let format = || {
+        Arc::new(LedgerSql {
             schema: schema.map(Into::into),
             claim_read: claim_read_sql(schema).into(),
             record: record(schema).into(),
             record_at_commit: record_at_commit(schema).into(),
-        });
+        })
+    };
+    // A thread whose locals are being torn down formats without keeping.
+    KEPT.try_with(|kept| {
+        let mut kept = kept.borrow_mut();
+        if let Some(sql) = kept.iter().find(|sql| sql.schema.as_deref() == schema) {
+            return Arc::clone(sql);
+        }
+        let sql = format();
         if kept.len() >= LEDGER_SQL_KEPT {
             kept.remove(0);
         }
         kept.push(Arc::clone(&sql));
         sql
     })
+    .unwrap_or_else(|_| format())
 }
 
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
@@ -1133,8 +1138,7 @@ fn record_at(row: &sqlx::postgres::PgRow, first: usize) -> Result<super::Record,
 mod tests {
     use std::sync::Arc;
 
-    use super::{LEDGER_SQL_KEPT, XactStatus, begin_at_commit_sql, ledger_sql};
-    use crate::store::IsolationLevel;
+    use super::{LEDGER_SQL_KEPT, LEVELS, XactStatus, begin_at_commit_sql, ledger_sql};
 
     #[test]
     fn a_schemas_statements_are_formatted_once_and_name_it() {
@@ -1157,11 +1161,7 @@ mod tests {
     #[test]
     fn claim_at_commits_begin_names_its_level_and_the_savepoint() {
         let take = &crate::store::Savepoint::get().take;
-        for level in [
-            IsolationLevel::ReadCommitted,
-            IsolationLevel::RepeatableRead,
-            IsolationLevel::Serializable,
-        ] {
+        for level in LEVELS {
             let begin = begin_at_commit_sql(level);
             assert_eq!(
                 &*begin,
