@@ -308,6 +308,66 @@ pub async fn a_handler_that_writes_nothing_is_recorded_and_replayed<DB: Conforma
     assert_eq!(h.ledger().await, 2);
 }
 
+/// Case (the claim-at-commit suite alone): a retry of a finished key
+/// through the layer that ran it reads the ledger first, so the handler
+/// does not run again; through another layer (another instance of the
+/// service) it runs and is undone. Another principal's key of the same
+/// name is its own, and a key that ended with nothing recorded (a `5xx`)
+/// runs again. Judged by the handler's runs, undone ones included, and the
+/// rows committed.
+pub async fn at_commit_a_retry_through_the_same_layer_does_not_run_the_handler<
+    DB: ConformanceDb,
+>(
+    h: Harness<DB>,
+) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    // The test app with every run of its handler counted (not judged).
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = |layer: IdempotencyLayer<DB>| {
+        axum::Router::new()
+            .route("/orders", axum::routing::post(super::create_order::<DB>))
+            .layer(layer)
+            .with_state(super::AppState {
+                pool: h.pool.clone(),
+                executions: Arc::clone(&runs),
+                first: h.environment.handler.statements,
+            })
+    };
+    let runs_now = || runs.load(Ordering::SeqCst);
+    let here = app(h.layer());
+    let first = send(&here, order(ALICE, KEY, BODY)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert!(!first.replayed());
+    for _ in 0..3 {
+        let again = send(&here, order(ALICE, KEY, BODY)).await;
+        assert!(again.replayed(), "{again:?}");
+        assert_eq!(again.body, first.body);
+    }
+    assert_eq!(runs_now(), 1, "retries through the layer that ran the key");
+    let elsewhere = send(&app(h.layer()), order(ALICE, KEY, BODY)).await;
+    assert!(elsewhere.replayed(), "{elsewhere:?}");
+    assert_eq!(elsewhere.body, first.body);
+    assert_eq!(runs_now(), 2, "a retry through another layer runs");
+    let bob = send(&here, order(Some("user-7"), KEY, BODY)).await;
+    assert_eq!(bob.status, StatusCode::CREATED, "{bob:?}");
+    assert!(!bob.replayed());
+    assert_eq!(runs_now(), 3, "another principal's key");
+    let down = (Some("\"down-1\""), r#"{"amount":5,"mode":"fail500"}"#);
+    for runs in [4, 5] {
+        let answer = send(&here, order(ALICE, down.0, down.1)).await;
+        assert_eq!(
+            answer.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{answer:?}"
+        );
+        assert_eq!(runs_now(), runs, "a key with nothing recorded runs again");
+    }
+    assert_eq!(h.orders().await, 2, "alice's order and bob's");
+    assert_eq!(h.ledger().await, 2);
+}
+
 /// Case: final business error records failed final without partial writes.
 pub async fn final_business_error_records_failed_final_without_partial_writes<DB: ConformanceDb>(
     h: Harness<DB>,

@@ -988,7 +988,9 @@ macro_rules! conformance_suite {
         // gRPC message is a body the test handler rejects (`415`, passed
         // through as the handler's own answer): the bound it checks is the
         // claim's wait, which this mode does not have.
-        $crate::__shared_conformance_cases!($name, $db, $crate::testkit::no_setup, $harness;);
+        $crate::__shared_conformance_cases!($name, $db, $crate::testkit::no_setup, $harness;
+            at_commit_a_retry_through_the_same_layer_does_not_run_the_handler,
+        );
     };
     ($name:ident, $db:ty, matrix) => {
         $crate::conformance_suite!(@cases $name, $db, $crate::testkit::no_setup, matrix);
