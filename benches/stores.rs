@@ -27,7 +27,8 @@
 //! mysql` against `MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`).
 //!
 //! `cargo bench --bench stores [--features mysql]`; `TI_BENCH_PROFILE`
-//! runs one route alone ([`profile`]).
+//! runs one route alone ([`profile`]), with its allocator calls per
+//! request.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -37,6 +38,12 @@ use std::time::{Duration, Instant};
 use http::{Request, Response};
 use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_idempotency::{IdempotencyBody, IdempotencyLayer, Principal, Tx};
+
+#[path = "support/allocations.rs"]
+mod allocations;
+
+#[global_allocator]
+static ALLOCATOR: allocations::Counting = allocations::Counting;
 
 const PHASE: Duration = Duration::from_secs(2);
 const ROUNDS: usize = 2;
@@ -257,31 +264,44 @@ macro_rules! measure {
         let at_commit = layered!($db, pool, true);
         layered("replayed".to_string(), 0).await;
         if let Some((route, conc, secs)) = profile() {
-            // One route alone, for `perf record` beside it.
+            // One route alone, for `perf record` beside it, its allocator
+            // calls counted.
             let mut t = Tally::default();
             let phase = Duration::from_secs(secs);
-            match route.as_str() {
-                "bare" => run_for(phase, &mut t, $cpu, conc, $bare.clone()).await,
-                "floor" => run_for(phase, &mut t, $cpu, conc, $design.clone()).await,
-                "one" => run_for(phase, &mut t, $cpu, conc, $one_row.clone()).await,
-                "layer" => {
-                    let first = layered.clone();
-                    run_for(phase, &mut t, $cpu, conc, move |i| first(fresh_key(i), i)).await
+            allocations::every_thread();
+            let ((), calls, bytes) = allocations::count(async {
+                match route.as_str() {
+                    "bare" => run_for(phase, &mut t, $cpu, conc, $bare.clone()).await,
+                    "floor" => run_for(phase, &mut t, $cpu, conc, $design.clone()).await,
+                    "one" => run_for(phase, &mut t, $cpu, conc, $one_row.clone()).await,
+                    "layer" => {
+                        let first = layered.clone();
+                        run_for(phase, &mut t, $cpu, conc, move |i| first(fresh_key(i), i)).await
+                    }
+                    "commit" => {
+                        let first = at_commit.clone();
+                        run_for(phase, &mut t, $cpu, conc, move |i| first(fresh_key(i), i)).await
+                    }
+                    "replay" => {
+                        let replay = layered.clone();
+                        run_for(phase, &mut t, $cpu, conc, move |_| {
+                            replay("replayed".to_string(), 0)
+                        })
+                        .await
+                    }
+                    other => panic!("TI_BENCH_PROFILE: no route {other}"),
                 }
-                "commit" => {
-                    let first = at_commit.clone();
-                    run_for(phase, &mut t, $cpu, conc, move |i| first(fresh_key(i), i)).await
-                }
-                "replay" => {
-                    let replay = layered.clone();
-                    run_for(phase, &mut t, $cpu, conc, move |_| {
-                        replay("replayed".to_string(), 0)
-                    })
-                    .await
-                }
-                other => panic!("TI_BENCH_PROFILE: no route {other}"),
-            }
+            })
+            .await;
             print_rows($store, conc, &[(route.as_str(), t)]);
+            println!(
+                "{}: per request, {:.0} allocator calls, {:.0} bytes requested (every thread of \
+                 the bench process: the calls, the layer, the handler, sqlx; a layer's route also \
+                 builds its HTTP request)",
+                route,
+                calls as f64 / t.requests as f64,
+                bytes as f64 / t.requests as f64
+            );
         } else {
             for conc in CONCURRENCY {
                 let mut t = [Tally::default(); 6];

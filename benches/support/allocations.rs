@@ -1,7 +1,7 @@
-//! Allocator calls counted on the service's threads only (a bench's global
-//! allocator; the library sets none): a figure that does not depend on
-//! machine noise, printed beside round trips. Counting is off outside
-//! [`count`], where the cost is one relaxed load per allocation.
+//! Allocator calls counted on the service's threads only, or on every
+//! thread ([`every_thread`]) (a bench's global allocator; the library sets
+//! none): a figure that does not depend on machine noise. Counting is off
+//! outside [`count`], where the cost is one relaxed load per allocation.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 pub struct Counting;
 
 static ON: AtomicBool = AtomicBool::new(false);
+static EVERY_THREAD: AtomicBool = AtomicBool::new(false);
 static CALLS: AtomicU64 = AtomicU64::new(0);
 static BYTES: AtomicU64 = AtomicU64::new(0);
 
@@ -19,12 +20,22 @@ thread_local! {
 
 /// Marks the calling thread as one of the service's (its runtime's
 /// `on_thread_start`).
+#[allow(dead_code)] // The stores bench counts every thread.
 pub fn service_thread() {
     SERVICE.with(|s| s.set(true));
 }
 
+/// Counts on every thread of the process from now on (a bench that calls
+/// the service in process, with no threads of its own).
+#[allow(dead_code)] // The load bench counts its service's threads alone.
+pub fn every_thread() {
+    EVERY_THREAD.store(true, Ordering::Relaxed);
+}
+
 fn note(size: usize) {
-    if ON.load(Ordering::Relaxed) && SERVICE.try_with(Cell::get).unwrap_or(false) {
+    if ON.load(Ordering::Relaxed)
+        && (EVERY_THREAD.load(Ordering::Relaxed) || SERVICE.try_with(Cell::get).unwrap_or(false))
+    {
         CALLS.fetch_add(1, Ordering::Relaxed);
         BYTES.fetch_add(size as u64, Ordering::Relaxed);
     }
