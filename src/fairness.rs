@@ -45,7 +45,7 @@ struct State {
     /// Connections held now, by every principal.
     held: usize,
     /// Only principals that hold or wait have an entry.
-    principals: HashMap<String, Entry>,
+    principals: HashMap<Arc<str>, Entry>,
     /// Waiting requests, in the order they came.
     queue: Vec<Waiter>,
     /// Numbers waiters, in the order they came.
@@ -73,7 +73,9 @@ struct Waiter {
 #[derive(Debug)]
 pub(crate) struct Slot {
     slots: Arc<PrincipalSlots>,
-    principal: String,
+    /// The principal's key in the map while it holds a turn (shared, not
+    /// copied).
+    principal: Arc<str>,
 }
 
 /// How many requests of one principal may wait for a turn at once, for a
@@ -129,13 +131,22 @@ impl PrincipalSlots {
         }
     }
 
-    fn grant(st: &mut State, principal: &str) {
+    fn grant(st: &mut State, principal: &str) -> Arc<str> {
         st.turns += 1;
         st.held += 1;
         let turn = st.turns;
-        let entry = st.principals.entry(principal.to_owned()).or_default();
+        let key = Self::key(st, principal);
+        let entry = st.principals.entry(Arc::clone(&key)).or_default();
         entry.held += 1;
         entry.last_turn = turn;
+        key
+    }
+
+    /// `principal`'s key in the map: the one there, or a new one.
+    fn key(st: &State, principal: &str) -> Arc<str> {
+        st.principals
+            .get_key_value(principal)
+            .map_or_else(|| Arc::from(principal), |(key, _)| Arc::clone(key))
     }
 
     /// Forgets a principal that neither holds nor waits.
@@ -159,7 +170,7 @@ impl PrincipalSlots {
                 }
                 let (held, last_turn) = st
                     .principals
-                    .get(&w.principal)
+                    .get(w.principal.as_str())
                     .map_or((0, 0), |e| (e.held, e.last_turn));
                 let rank = (held, last_turn, w.seq);
                 if best.is_none_or(|(_, b)| rank < b) {
@@ -168,7 +179,7 @@ impl PrincipalSlots {
             }
             let Some((i, _)) = best else { return };
             let waiter = st.queue.remove(i);
-            if let Some(e) = st.principals.get_mut(&waiter.principal) {
+            if let Some(e) = st.principals.get_mut(waiter.principal.as_str()) {
                 e.queued = e.queued.saturating_sub(1);
             }
             Self::grant(st, &waiter.principal);
@@ -196,11 +207,12 @@ impl PrincipalSlots {
             // No waiter may take a connection now (each change that frees
             // one gives it away), so one free for this request is its own.
             if self.admissible(&st, principal) {
-                Self::grant(&mut st, principal);
-                return Some(self.slot(principal));
+                let key = Self::grant(&mut st, principal);
+                return Some(self.slot(key));
             }
             let bound = queue_bound(self.capacity);
-            let entry = st.principals.entry(principal.to_owned()).or_default();
+            let key = Self::key(&st, principal);
+            let entry = st.principals.entry(key).or_default();
             if entry.queued >= bound {
                 Self::tidy(&mut st, principal);
                 return None;
@@ -225,7 +237,7 @@ impl PrincipalSlots {
         match tokio::time::timeout(wait, woken).await {
             Ok(Ok(())) => {
                 queued.turned = true;
-                Some(self.slot(principal))
+                Some(self.slot(Arc::from(principal)))
             }
             // Out of time (a turn given meanwhile goes back from the
             // guard), or the sender dropped (never: a waiter leaves the
@@ -234,10 +246,10 @@ impl PrincipalSlots {
         }
     }
 
-    fn slot(self: &Arc<Self>, principal: &str) -> Slot {
+    fn slot(self: &Arc<Self>, principal: Arc<str>) -> Slot {
         Slot {
             slots: Arc::clone(self),
-            principal: principal.to_owned(),
+            principal,
         }
     }
 }
