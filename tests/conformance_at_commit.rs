@@ -21,11 +21,11 @@ async fn mysql_at_commit_a_rolled_back_handler_meeting_a_held_duplicate() {
 /// PostgreSQL alone: a retry the layer remembers as finished reads the
 /// ledger first, and that read is a hint only. When it fails (here the
 /// service's role may write the ledger's row and the handler's, but not
-/// read the ledger's back), the
-/// request goes on to its handler as any other, and its lost row is then
-/// a store error with nothing committed; a layer that reads first
-/// (`with_read_first`) refuses on the same failed read before its handler
-/// runs. Judged by the handler's runs and the rows committed.
+/// read the ledger's back), the request goes on to its handler as any
+/// other, and its lost row is then a store error with nothing committed;
+/// a layer that reads first (`with_read_first`) refuses on the same failed
+/// read before its handler runs. Judged by the handler's runs and the rows
+/// committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_a_failed_hinted_read_goes_on_to_the_handler() {
     use std::sync::Arc;
