@@ -349,6 +349,14 @@ async fn calm_takes_its_turn_at_the_writer(storms: usize) {
     for s in 1..storms {
         storm_requests(&app, &format!("storm-{s}"), 4, &mut sent);
     }
+    // The calm tenant comes after every storm request waits (spawned
+    // tasks may start in any order on a busy machine, and a turn goes to
+    // the earliest waiter among equals).
+    let storming = 3 + 4 * (storms - 1);
+    until("every storm request waits for its turn", || {
+        layer.waiting_for_a_turn() == storming
+    })
+    .await;
     let calm = tokio::spawn({
         let app = app.clone();
         async move {
@@ -359,7 +367,7 @@ async fn calm_takes_its_turn_at_the_writer(storms: usize) {
             .await
         }
     });
-    let queued = 3 + 4 * (storms - 1) + 1;
+    let queued = storming + 1;
     until("every request waits for its turn", || {
         layer.waiting_for_a_turn() == queued || calm.is_finished()
     })
