@@ -18,7 +18,7 @@
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -39,11 +39,58 @@ pub(crate) struct LocalClaims {
 
 #[derive(Debug, Default)]
 struct State {
-    running: HashMap<String, watch::Receiver<()>>,
+    running: HashMap<Hashed, watch::Receiver<()>, ByHash>,
     /// Hashes of finished scopes in the order each first finished, each
     /// once, at most [`FINISHED`]; `finished_set` holds the same hashes.
     finished: VecDeque<u64>,
-    finished_set: HashSet<u64>,
+    finished_set: HashSet<u64, ByHash>,
+}
+
+/// A scope's key with its hash (the layer's keyed hash, so a client
+/// cannot choose keys that collide): every look-up of a request reuses
+/// the one hash, where each hashed the key anew.
+#[derive(Debug, Clone)]
+struct Hashed {
+    hash: u64,
+    key: String,
+}
+
+impl PartialEq for Hashed {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash && self.key == other.key
+    }
+}
+
+impl Eq for Hashed {}
+
+impl Hash for Hashed {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.hash);
+    }
+}
+
+/// The maps' hasher: passes on the hash already taken ([`Hashed`], or a
+/// finished scope's), which the keyed hash made unpredictable.
+type ByHash = BuildHasherDefault<Passed>;
+
+#[derive(Default)]
+struct Passed(u64);
+
+impl Hasher for Passed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write_u64(&mut self, hash: u64) {
+        self.0 = hash;
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `u64`s are written; anything else is folded in, not lost.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
 }
 
 impl State {
@@ -78,9 +125,9 @@ pub(crate) enum Local {
 /// cancelled or panicked alike) releases the waiters.
 pub(crate) struct Leader {
     claims: Arc<LocalClaims>,
-    key: String,
-    /// The scope's hash, where finished scopes are remembered.
-    remember: Option<u64>,
+    key: Hashed,
+    /// Whether the scope is remembered once it finishes.
+    remember: bool,
     _done: watch::Sender<()>,
 }
 
@@ -88,8 +135,8 @@ impl Drop for Leader {
     fn drop(&mut self) {
         let mut state = self.claims.lock();
         state.running.remove(&self.key);
-        if let Some(hash) = self.remember {
-            state.finish(hash);
+        if self.remember {
+            state.finish(self.key.hash);
         }
     }
 }
@@ -102,14 +149,18 @@ impl LocalClaims {
 
     /// Whether a request of `scope` is running in this process now.
     pub(crate) fn is_running(&self, scope: &Scope<'_>) -> bool {
-        self.lock().running.contains_key(&Self::key(scope))
+        let key = self.key(scope);
+        self.lock().running.contains_key(&key)
     }
 
-    fn key(scope: &Scope<'_>) -> String {
+    fn key(&self, scope: &Scope<'_>) -> Hashed {
         let parts = [scope.principal, "\0", scope.operation, "\0", scope.key];
         let mut key = String::with_capacity(parts.iter().map(|p| p.len()).sum());
         parts.iter().for_each(|p| key.push_str(p));
-        key
+        Hashed {
+            hash: self.hasher.hash_one(&key),
+            key,
+        }
     }
 
     /// Becomes the scope's leader, or waits (at most `wait`) for the
@@ -122,23 +173,23 @@ impl LocalClaims {
         wait: Duration,
         remember: bool,
     ) -> Local {
-        let key = Self::key(scope);
-        let hash = remember.then(|| self.hasher.hash_one(&key));
+        let key = self.key(scope);
         let mut running = {
             let mut state = self.lock();
             match state.running.get(&key) {
                 Some(rx) => rx.clone(),
                 None => {
                     let (tx, rx) = watch::channel(());
+                    let finished = remember && state.finished_set.contains(&key.hash);
                     state.running.insert(key.clone(), rx);
                     return Local::Leader {
                         _token: Leader {
                             claims: Arc::clone(self),
                             key,
-                            remember: hash,
+                            remember,
                             _done: tx,
                         },
-                        finished: hash.is_some_and(|h| state.finished_set.contains(&h)),
+                        finished,
                     };
                 }
             }
@@ -199,6 +250,22 @@ mod tests {
             Local::StillRunning
         ));
         assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn keys_that_share_a_hash_stay_apart() {
+        let mut running: HashMap<Hashed, u8, ByHash> = HashMap::default();
+        let key = |key: &str| Hashed {
+            hash: 7,
+            key: key.to_owned(),
+        };
+        running.insert(key("a"), 1);
+        running.insert(key("b"), 2);
+        assert_eq!(running.len(), 2);
+        assert_eq!(running.get(&key("a")), Some(&1));
+        assert_eq!(running.remove(&key("b")), Some(2));
+        assert!(!running.contains_key(&key("b")));
+        assert!(running.contains_key(&key("a")));
     }
 
     #[tokio::test]
