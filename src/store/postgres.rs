@@ -102,12 +102,12 @@ fn record(schema: Option<&str>) -> String {
 /// id, and [`give_id`] gives one to a transaction the handler wrote
 /// nothing in; a statement of its own after a handler's `COMMIT` or
 /// `ROLLBACK` has none when it starts), and with the wait on another
-/// request's uncommitted row bounded by `lock_timeout` (`$11`), set for the
-/// rest of this transaction alone. Returns the expiry and the transaction's
-/// id (what a lost `COMMIT` is asked about) when it wrote the row, and no
-/// row when it did not: [`claim_read_sql`] then says why, in a round trip
-/// of its own (a first execution pays for neither the read nor its
-/// columns).
+/// request's uncommitted row bounded by `lock_timeout` (`$11`, in
+/// milliseconds), set for the rest of this transaction alone. Returns the
+/// expiry and the transaction's id (what a lost `COMMIT` is asked about)
+/// when it wrote the row, and no row when it did not: [`claim_read_sql`]
+/// then says why, in a round trip of its own (a first execution pays for
+/// neither the read nor its columns).
 fn record_at_commit(schema: Option<&str>) -> String {
     format!(
         "INSERT INTO {table} (principal_id, operation, idem_key, request_fingerprint, status, \
@@ -115,7 +115,7 @@ fn record_at_commit(schema: Option<&str>) -> String {
          expires_at) SELECT convert_from($1, 'UTF8'), convert_from($2, 'UTF8'), \
          convert_from($3, 'UTF8'), $4, $5, $6, $7, $8, convert_from($9, 'UTF8'), {now}, \
          {now} + $10 WHERE txid_current_if_assigned() IS NOT NULL \
-         AND (SELECT set_config('lock_timeout', $11, true)) IS NOT NULL \
+         AND (SELECT set_config('lock_timeout', $11::INT4::TEXT, true)) IS NOT NULL \
          ON CONFLICT (principal_id, operation, idem_key) DO NOTHING \
          RETURNING expires_at, txid_current()",
         table = ledger_table(schema),
@@ -442,11 +442,8 @@ impl Backend for Postgres {
             tx.discard();
             return Err(ended_or_store(e));
         }
-        let wait = format!(
-            "{}ms",
-            claim.lock_wait.as_millis().clamp(1, i32::MAX as u128)
-        );
-        let mut written = write_at_commit(&mut tx, claim, c, &wait).await;
+        let wait = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128) as i32;
+        let mut written = write_at_commit(&mut tx, claim, c, wait).await;
         if matches!(written, Ok(Written::NoId)) {
             // No id: the handler wrote nothing, or ended the transaction.
             // Only the savepoint, still there, says the transaction is
@@ -458,7 +455,7 @@ impl Backend for Postgres {
                 tx.discard();
                 return Err(ended_or_store(e));
             }
-            written = write_at_commit(&mut tx, claim, c, &wait).await;
+            written = write_at_commit(&mut tx, claim, c, wait).await;
         }
         let (expires_at, xid) = match written {
             Ok(Written::Row(expires_at, xid)) => (expires_at, xid),
@@ -820,18 +817,18 @@ enum Written {
 
 /// Writes the claim-at-commit mode's row ([`record_at_commit`]) on the
 /// claimed transaction, its wait on another request's row bounded by
-/// `wait`; when nothing was written, the claim's read says why: the
+/// `wait_ms`; when nothing was written, the claim's read says why: the
 /// scope's row as a statement of this transaction sees it, and whether
 /// the transaction has an id.
 async fn write_at_commit(
     tx: &mut Claimed<Postgres>,
     claim: &Claim<'_>,
     c: &Completion<'_>,
-    wait: &str,
+    wait_ms: i32,
 ) -> Result<Written, sqlx::Error> {
     let sql = AssertSqlSafe(Arc::clone(&ledger_sql(claim.database).record_at_commit));
     let written = ledger_row(sql, claim, c)
-        .bind(wait)
+        .bind(wait_ms)
         .fetch_optional(&mut **tx)
         .await?;
     if let Some(row) = written {
