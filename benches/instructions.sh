@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Instructions per request in the service (its connection tasks: the
-# layer, the handler, sqlx's side of each statement), counted by valgrind's
-# callgrind: a figure that does not depend on machine noise, for comparing
+# layer, the handler, sqlx's side of each statement; and v8's claim, a
+# task of its own), counted by valgrind's callgrind: a figure that does
+# not depend on machine noise, for comparing
 # routes (or two builds of one route) where throughput cannot tell a few
 # per cent apart. Counts weigh every instruction alike (a memcpy of a
 # large future counts per byte moved; SHA-256 runs without the CPU's SHA
@@ -19,6 +20,7 @@ trap 'rm -rf "$out"' EXIT
 for route in ${*:-bare one commit two layer}; do
   TI_BENCH_SEQUENTIAL=$n TI_BENCH_PROFILE=$route valgrind --tool=callgrind \
     --collect-atstart=no '--toggle-collect=*handle_connection*' \
+    '--toggle-collect=*spawn_claim::{{closure}}*' \
     --callgrind-out-file="$out/$route" "$bin" --bench > "$out/$route.log" 2>&1 ||
     { cat "$out/$route.log"; exit 1; }
   ir=$(awk '/refs:/ {gsub(",", "", $4); print $4}' "$out/$route.log")
