@@ -593,8 +593,8 @@ async fn main() {
     .unwrap();
     setup.close().await;
 
-    // `TI_BENCH_PROFILE=layer|bare|two|v6|commit|one [TI_BENCH_SECS=20]`: serve one route at
-    // c = 8 and print its allocator calls per sequential request and its CPU split only, for
+    // `TI_BENCH_PROFILE=layer|bare|two|v6|commit|one [TI_BENCH_SECS=20] [TI_BENCH_CLIENTS=8]`:
+    // serve one route at that many clients and print its allocator calls per sequential request and its CPU split only, for
     // `perf record` alongside. With `TI_BENCH_SEQUENTIAL=N`: only N sequential requests, for
     // `benches/instructions.sh` (valgrind counts the service's instructions).
     if let Ok(which) = std::env::var("TI_BENCH_PROFILE") {
@@ -615,6 +615,10 @@ async fn main() {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(20);
+        let clients = std::env::var("TI_BENCH_CLIENTS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(8);
         let server = serve(&url, route).await;
         if let Some(n) = std::env::var("TI_BENCH_SEQUENTIAL")
             .ok()
@@ -625,7 +629,7 @@ async fn main() {
             drop_database(&admin, &db).await;
             return;
         }
-        load(server.addr, 8, keys, ORDER, Duration::from_secs(2)).await;
+        load(server.addr, clients, keys, ORDER, Duration::from_secs(2)).await;
         const SEQUENTIAL: u64 = 200;
         let (_, calls, bytes) =
             allocations::count(load_n(server.addr, keys, ORDER, SEQUENTIAL)).await;
@@ -636,7 +640,7 @@ async fn main() {
             bytes as f64 / n
         );
         let (s0, l0, p0) = cpu_now();
-        let run = load(server.addr, 8, keys, ORDER, Duration::from_secs(secs)).await;
+        let run = load(server.addr, clients, keys, ORDER, Duration::from_secs(secs)).await;
         let (s1, l1, p1) = cpu_now();
         let n = run.requests.max(1) as f64;
         println!(
