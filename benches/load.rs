@@ -661,8 +661,10 @@ async fn main() {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     println!();
-    println!("| scenario | concurrency | req/s | p50 ms | p99 ms | vs baseline | statuses |");
-    println!("|---|---|---|---|---|---|---|");
+    println!(
+        "| scenario | concurrency | req/s | p50 ms | p99 ms | vs baseline | each round | statuses |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     let mut plot: Vec<Point> = Vec::new();
     let mut work = Vec::new();
     let mut cpu = Vec::new();
@@ -691,6 +693,9 @@ async fn main() {
             ),
         ];
         let mut spent = [(0.0, 0.0, 0.0); 7];
+        // Each phase's req/s, by round: a route's ratio to the same round's
+        // baseline shows the spread within the run.
+        let mut rounds = [[0.0; ROUNDS]; 7];
         let mut measured: Vec<(&str, Run, PgStats, usize)> = scenarios
             .iter()
             .map(|s| {
@@ -708,7 +713,7 @@ async fn main() {
             })
             .collect();
         // Rounds interleave the scenarios so drift on a shared machine hits all alike.
-        for _round in 0..ROUNDS {
+        for round in 0..ROUNDS {
             for (i, &(_, route, keys)) in scenarios.iter().enumerate() {
                 let server = serve(&url, route).await;
                 if matches!(keys, Keys::One) {
@@ -721,6 +726,7 @@ async fn main() {
                 let (svc0, load0, pg0) = cpu_now();
                 let run = load(server.addr, conc, keys, ORDER, PHASE).await;
                 let (svc1, load1, pg1) = cpu_now();
+                rounds[i][round] = run.rps();
                 spent[i].0 += svc1 - svc0;
                 spent[i].1 += load1 - load0;
                 spent[i].2 += pg1 - pg0;
@@ -751,13 +757,17 @@ async fn main() {
                 run.rps() / base,
             ));
         }
-        for (name, run, delta, errors) in &measured {
+        for (i, (name, run, delta, errors)) in measured.iter().enumerate() {
+            let each: Vec<String> = (0..ROUNDS)
+                .map(|r| format!("{:.2}", rounds[i][r] / rounds[0][r].max(f64::MIN_POSITIVE)))
+                .collect();
             println!(
-                "| {name} | {conc} | {:.0} | {:.2} | {:.2} | {:.2} | {:?} |",
+                "| {name} | {conc} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {:?} |",
                 run.rps(),
                 run.pct(0.50).as_secs_f64() * 1e3,
                 run.pct(0.99).as_secs_f64() * 1e3,
                 run.rps() / base,
+                each.join(" / "),
                 run.statuses
             );
             let n = run.requests as f64;
