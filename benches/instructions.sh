@@ -20,7 +20,7 @@ trap 'rm -rf "$out"' EXIT
 for route in ${*:-bare one commit two layer}; do
   TI_BENCH_SEQUENTIAL=$n TI_BENCH_PROFILE=$route valgrind --tool=callgrind \
     --collect-atstart=no '--toggle-collect=*handle_connection*' \
-    '--toggle-collect=*spawn_claim::{{closure}}*' \
+    '--toggle-collect=*store::task::claim_task*' \
     --callgrind-out-file="$out/$route" "$bin" --bench > "$out/$route.log" 2>&1 ||
     { cat "$out/$route.log"; exit 1; }
   ir=$(awk '/refs:/ {gsub(",", "", $4); print $4}' "$out/$route.log")

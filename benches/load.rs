@@ -692,10 +692,10 @@ async fn main() {
                 Keys::Unique,
             ),
         ];
-        let mut spent = [(0.0, 0.0, 0.0); 7];
+        let mut spent = vec![(0.0, 0.0, 0.0); scenarios.len()];
         // Each phase's req/s, by round: a route's ratio to the same round's
         // baseline shows the spread within the run.
-        let mut rounds = [[0.0; ROUNDS]; 7];
+        let mut rounds = vec![[0.0; ROUNDS]; scenarios.len()];
         let mut measured: Vec<(&str, Run, PgStats, usize)> = scenarios
             .iter()
             .map(|s| {
@@ -759,7 +759,10 @@ async fn main() {
         }
         for (i, (name, run, delta, errors)) in measured.iter().enumerate() {
             let each: Vec<String> = (0..ROUNDS)
-                .map(|r| format!("{:.2}", rounds[i][r] / rounds[0][r].max(f64::MIN_POSITIVE)))
+                .map(|r| match rounds[0][r] {
+                    base if base > 0.0 => format!("{:.2}", rounds[i][r] / base),
+                    _ => "-".to_owned(),
+                })
                 .collect();
             println!(
                 "| {name} | {conc} | {:.0} | {:.2} | {:.2} | {:.2} | {} | {:?} |",
