@@ -695,7 +695,7 @@ async fn main() {
         let mut spent = vec![(0.0, 0.0, 0.0); scenarios.len()];
         // Each phase's req/s, by round: a route's ratio to the same round's
         // baseline shows the spread within the run.
-        let mut rounds = vec![[0.0; ROUNDS]; scenarios.len()];
+        let mut rounds = vec![Vec::with_capacity(ROUNDS); scenarios.len()];
         let mut measured: Vec<(&str, Run, PgStats, usize)> = scenarios
             .iter()
             .map(|s| {
@@ -713,7 +713,7 @@ async fn main() {
             })
             .collect();
         // Rounds interleave the scenarios so drift on a shared machine hits all alike.
-        for round in 0..ROUNDS {
+        for _round in 0..ROUNDS {
             for (i, &(_, route, keys)) in scenarios.iter().enumerate() {
                 let server = serve(&url, route).await;
                 if matches!(keys, Keys::One) {
@@ -726,7 +726,7 @@ async fn main() {
                 let (svc0, load0, pg0) = cpu_now();
                 let run = load(server.addr, conc, keys, ORDER, PHASE).await;
                 let (svc1, load1, pg1) = cpu_now();
-                rounds[i][round] = run.rps();
+                rounds[i].push(run.rps());
                 spent[i].0 += svc1 - svc0;
                 spent[i].1 += load1 - load0;
                 spent[i].2 += pg1 - pg0;
@@ -758,9 +758,11 @@ async fn main() {
             ));
         }
         for (i, (name, run, delta, errors)) in measured.iter().enumerate() {
-            let each: Vec<String> = (0..ROUNDS)
-                .map(|r| match rounds[0][r] {
-                    base if base > 0.0 => format!("{:.2}", rounds[i][r] / base),
+            let each: Vec<String> = rounds[i]
+                .iter()
+                .zip(&rounds[0])
+                .map(|(rps, &base)| match base {
+                    base if base > 0.0 => format!("{:.2}", rps / base),
                     _ => "-".to_owned(),
                 })
                 .collect();
