@@ -594,9 +594,10 @@ async fn main() {
     setup.close().await;
 
     // `TI_BENCH_PROFILE=layer|bare|two|v6|commit|one [TI_BENCH_SECS=20] [TI_BENCH_CLIENTS=8]`:
-    // serve one route at that many clients and print its allocator calls per sequential request and its CPU split only, for
-    // `perf record` alongside. With `TI_BENCH_SEQUENTIAL=N`: only N sequential requests, for
-    // `benches/instructions.sh` (valgrind counts the service's instructions).
+    // serve one route at that many clients and print its allocator calls per sequential
+    // request and its CPU split only, for `perf record` alongside. With
+    // `TI_BENCH_SEQUENTIAL=N`: only N sequential requests, for `benches/instructions.sh`
+    // (valgrind counts the service's instructions).
     if let Ok(which) = std::env::var("TI_BENCH_PROFILE") {
         let route = match which.as_str() {
             "bare" => Route::Bare,
