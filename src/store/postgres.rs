@@ -286,7 +286,7 @@ impl Backend for Postgres {
                 (None, None) if waited => break ClaimOutcome::InFlight,
                 (None, None) => {
                     waited = true;
-                    let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128) as i32;
+                    let ms = wait_ms(claim.lock_wait);
                     let got: Result<bool, _> = sqlx::query_scalar(WAIT)
                         .persistent(claim.cached_statements)
                         .bind(k1)
@@ -442,7 +442,7 @@ impl Backend for Postgres {
             tx.discard();
             return Err(ended_or_store(e));
         }
-        let wait = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128) as i32;
+        let wait = wait_ms(claim.lock_wait);
         let mut written = write_at_commit(&mut tx, claim, c, wait).await;
         if matches!(written, Ok(Written::NoId)) {
             // No id: the handler wrote nothing, or ended the transaction.
@@ -570,14 +570,13 @@ impl Backend for Postgres {
         lease_ms: i64,
         claim_id: &str,
     ) -> Result<bool, sqlx::Error> {
-        let ms = claim.lock_wait.as_millis().clamp(1, i32::MAX as u128);
         let mut a = Vec::new();
         let sql = DIALECT.claim(
             &mut a,
             claim,
             lease_ms,
             claim_id,
-            Some(&lock_wait(ms)),
+            Some(&lock_wait(wait_ms(claim.lock_wait))),
             "ON CONFLICT (principal_id, operation, idem_key) DO NOTHING",
         );
         Ok(execute(pool, sql, a).await? == 1)
@@ -1010,18 +1009,25 @@ async fn execute(pool: &Pool<Postgres>, sql: String, args: Args) -> Result<u64, 
     Ok(done.rows_affected())
 }
 
+/// A lock wait in whole milliseconds, as PostgreSQL's `lock_timeout` and
+/// `tower_idempotency_wait` take it: at least 1 (0 would mean no bound),
+/// at most `i32::MAX`.
+fn wait_ms(wait: Duration) -> i32 {
+    i32::try_from(wait.as_millis()).unwrap_or(i32::MAX).max(1)
+}
+
 /// A condition that bounds the lock waits of the statement whose `WHERE`
 /// it joins to `ms`: an uncorrelated sub-select is a one-time filter,
 /// evaluated before the statement reads or writes a row, and its
 /// `set_config(…, true)` lasts as long as the statement's own implicit
 /// transaction, so nothing of the session changes.
-fn lock_wait(ms: u128) -> String {
+fn lock_wait(ms: i32) -> String {
     format!("(SELECT set_config('lock_timeout', '{ms}ms', true)) IS NOT NULL")
 }
 
 /// The longest wait of a lease statement on another writer's row lock.
 /// Phases hold the row's lock only while they commit.
-const LEASE_LOCK_WAIT_MS: u128 = 5_000;
+const LEASE_LOCK_WAIT_MS: i32 = 5_000;
 
 /// What the server says became of a transaction, by its id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1140,8 +1146,9 @@ fn record_at(row: &sqlx::postgres::PgRow, first: usize) -> Result<super::Record,
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::time::Duration;
 
-    use super::{LEDGER_SQL_KEPT, LEVELS, XactStatus, begin_at_commit_sql, ledger_sql};
+    use super::{LEDGER_SQL_KEPT, LEVELS, XactStatus, begin_at_commit_sql, ledger_sql, wait_ms};
 
     #[test]
     fn a_schemas_statements_are_formatted_once_and_name_it() {
@@ -1159,6 +1166,14 @@ mod tests {
             ledger_sql(Some(&format!("s{i}")));
         }
         assert!(!Arc::ptr_eq(&public, &ledger_sql(Some("\"public\""))));
+    }
+
+    #[test]
+    fn lock_waits_are_whole_milliseconds_within_int4() {
+        assert_eq!(wait_ms(Duration::ZERO), 1, "0 would mean no bound");
+        assert_eq!(wait_ms(Duration::from_micros(999)), 1);
+        assert_eq!(wait_ms(Duration::from_millis(300)), 300);
+        assert_eq!(wait_ms(Duration::from_secs(u64::MAX)), i32::MAX);
     }
 
     #[test]
